@@ -1,0 +1,1 @@
+"""Builders of models for tests, demos and planning studies; they need no torch."""

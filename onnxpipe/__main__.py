@@ -1,0 +1,5 @@
+"""`python -m onnxpipe` runs the CLI."""
+
+from onnxpipe.cli import app
+
+app()

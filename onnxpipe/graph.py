@@ -1,0 +1,363 @@
+"""The graph IR: an ONNX model bound to concrete shapes, seen as a networkx multigraph of its nodes.
+
+Reading order: `load` (public entry) -> `_read_model` -> `_normalize` -> `_bind_dims`
+-> `_infer_shapes` -> `Graph` construction helpers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from onnxpipe.errors import OnnxpipeError
+
+__all__ = ["TensorInfo", "Graph", "load", "subgraph_captures", "RANDOM_OPS"]
+
+#: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+
+_TWO_GB = 2**31
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A value flowing in the graph, with its concrete shape."""
+
+    name: str
+    #: numpy dtype name, e.g. "float32".
+    dtype: str
+    #: Concrete dims; () for scalars.
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes of one instance of the tensor."""
+        return int(math.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Graph:
+    """An ONNX model with every value's shape known, and its node DAG.
+
+    `dag` is a networkx MultiDiGraph keyed by node name; each edge carries one tensor
+    (edge key = tensor name) with attributes `tensor`, `dtype`, `shape`, `bytes`.
+    Node attributes: `op_type`, `index` (position in `order`), `constant` (bool).
+    """
+
+    #: The normalized model: unique node names, dims bound, shapes inferred, ir_version >= 4.
+    model: onnx.ModelProto
+    dag: nx.MultiDiGraph
+    #: Node names in deterministic topological order.
+    order: tuple[str, ...]
+    #: Every named value (graph inputs, initializers, node outputs) with its shape.
+    tensors: Mapping[str, TensorInfo]
+    #: Graph inputs fed by the user (initializers excluded).
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    #: Initializer names (weights and constant tables).
+    initializers: frozenset[str]
+    #: Tensors whose value is known without any user input: initializers and outputs of constant chains.
+    constants: frozenset[str]
+    #: Nodes that compute only constants (Constant, ConstantOfShape, foldable chains).
+    constant_nodes: frozenset[str]
+    #: Symbolic dims bound while loading.
+    dims: Mapping[str, int]
+    #: Where the model came from (path or "<memory>").
+    source: str
+
+    def node(self, name: str) -> onnx.NodeProto:
+        """The NodeProto of a node name."""
+        return self._nodes_by_name()[name]
+
+    def _nodes_by_name(self) -> dict[str, onnx.NodeProto]:
+        cache = self.__dict__.get("_node_cache")
+        if cache is None:
+            cache = {n.name: n for n in self.model.graph.node}
+            object.__setattr__(self, "_node_cache", cache)
+        return cache
+
+    def node_inputs(self, name: str) -> tuple[str, ...]:
+        """Every tensor a node reads: its listed inputs plus subgraph outer-scope captures."""
+        node = self.node(name)
+        listed = tuple(i for i in node.input if i)
+        captured = tuple(c for c in subgraph_captures(node) if c not in listed)
+        return listed + captured
+
+    @property
+    def compute_nodes(self) -> tuple[str, ...]:
+        """Topologically ordered nodes that depend on user inputs (what the planner places)."""
+        return tuple(n for n in self.order if n not in self.constant_nodes)
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """Floating-point initializers: the trainable weights."""
+        return tuple(
+            sorted(n for n in self.initializers if np.issubdtype(np.dtype(self.tensors[n].dtype), np.floating))
+        )
+
+    def producer(self, tensor: str) -> str | None:
+        """The node producing a tensor, None for graph inputs and initializers."""
+        return self._producers().get(tensor)
+
+    def _producers(self) -> dict[str, str]:
+        cache = self.__dict__.get("_producer_cache")
+        if cache is None:
+            cache = {o: n.name for n in self.model.graph.node for o in n.output if o}
+            object.__setattr__(self, "_producer_cache", cache)
+        return cache
+
+    def consumers(self, tensor: str) -> tuple[str, ...]:
+        """Nodes reading a tensor (listed input or subgraph capture), in topological order."""
+        cache = self.__dict__.get("_consumer_cache")
+        if cache is None:
+            found: dict[str, list[str]] = {}
+            for n in self.order:
+                for t in self.node_inputs(n):
+                    found.setdefault(t, []).append(n)
+            cache = {t: tuple(ns) for t, ns in found.items()}
+            object.__setattr__(self, "_consumer_cache", cache)
+        return cache.get(tensor, ())
+
+
+def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None) -> Graph:
+    """Load a model, bind its symbolic dims, infer every shape and build the node DAG."""
+    model, origin = _read_model(source)
+    model = _normalize(model)
+    dims = dict(dims or {})
+    _bind_dims(model, dims, origin)
+    model = _infer_shapes(model, origin)
+    tensors = _tensor_infos(model, origin)
+    return _build(model, tensors, dims, origin)
+
+
+def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+        return model, "<memory>"
+    path = Path(source)
+    if not path.exists():
+        raise OnnxpipeError(f"{path}: no such file; pass the path of an .onnx model")
+    if not path.is_file():
+        raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
+    try:
+        model = onnx.load(str(path), load_external_data=True)
+    except Exception as exc:  # protobuf raises several unrelated types on garbage
+        raise OnnxpipeError(
+            f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete"
+        ) from exc
+    if not model.graph.node and not model.graph.output:
+        raise OnnxpipeError(f"{path}: not an ONNX model (no graph found); pass a model exported to .onnx")
+    return model, str(path)
+
+
+def _normalize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every node a unique name, turn weight-holding Constant nodes into initializers, drop
+    initializers from the graph inputs (IR-3 style) and raise the IR version to at least 4."""
+    graph = model.graph
+    used: set[str] = set()
+    for i, node in enumerate(graph.node):
+        base = node.name or f"{node.op_type}_{i}"
+        name, k = base, 1
+        while name in used:
+            name, k = f"{base}_{k}", k + 1
+        node.name = name
+        used.add(name)
+
+    kept = []
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(node.attribute[0].t)
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+        else:
+            kept.append(node)
+    if len(kept) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(kept)
+
+    init_names = {t.name for t in graph.initializer}
+    real_inputs = [vi for vi in graph.input if vi.name not in init_names]
+    if len(real_inputs) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(real_inputs)
+    if model.ir_version < 4:
+        model.ir_version = 4
+    return model
+
+
+def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> None:
+    seen: set[str] = set()
+    for vi in list(model.graph.input) + list(model.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param:
+                seen.add(d.dim_param)
+                if d.dim_param in dims:
+                    d.dim_value = int(dims[d.dim_param])
+    unknown = sorted(set(dims) - seen)
+    if unknown:
+        have = ", ".join(sorted(seen)) or "none"
+        raise OnnxpipeError(f"{origin}: --dim {unknown[0]} names no symbolic dim of the model (its dims: {have})")
+    for vi in model.graph.input:
+        shape = vi.type.tensor_type.shape
+        if not vi.type.HasField("tensor_type"):
+            continue
+        if not vi.type.tensor_type.HasField("shape"):
+            raise OnnxpipeError(f"{origin}: input '{vi.name}' has no shape; re-export with shapes or give them with --dim")
+        for d in shape.dim:
+            if not d.HasField("dim_value"):
+                label = d.dim_param or "?"
+                hint = f"--dim {d.dim_param}=VALUE" if d.dim_param else "a model exported with named or fixed dims"
+                raise OnnxpipeError(f"{origin}: dim '{label}' of input '{vi.name}' is unbound; costs depend on it, set it with {hint}")
+
+
+def _infer_shapes(model: onnx.ModelProto, origin: str) -> onnx.ModelProto:
+    try:
+        if model.ByteSize() < _TWO_GB:
+            return shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
+            onnx.save(model, src, save_as_external_data=True, location="in.onnx.data")
+            shape_inference.infer_shapes_path(src, dst, strict_mode=False, data_prop=True)
+            return onnx.load(dst, load_external_data=True)
+    except Exception as exc:
+        raise OnnxpipeError(f"{origin}: shape inference failed ({str(exc).splitlines()[0][:200]}); run onnx.checker on the model and fix the reported node") from exc
+
+
+def _value_infos(model: onnx.ModelProto) -> Iterable[onnx.ValueInfoProto]:
+    yield from model.graph.input
+    yield from model.graph.value_info
+    yield from model.graph.output
+
+
+def _static_shape(vi: onnx.ValueInfoProto) -> tuple[int, ...] | None:
+    tt = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or not tt.HasField("shape") or tt.elem_type == 0:
+        return None
+    dims = []
+    for d in tt.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        dims.append(int(d.dim_value))
+    return tuple(dims)
+
+
+def _tensor_infos(model: onnx.ModelProto, origin: str) -> dict[str, TensorInfo]:
+    infos: dict[str, TensorInfo] = {}
+    for t in model.graph.initializer:
+        infos[t.name] = TensorInfo(t.name, helper.tensor_dtype_to_np_dtype(t.data_type).name, tuple(int(d) for d in t.dims))
+    for vi in _value_infos(model):
+        shape = _static_shape(vi)
+        if shape is not None and vi.name not in infos:
+            infos[vi.name] = TensorInfo(vi.name, helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type).name, shape)
+    missing = [o for n in model.graph.node for o in n.output if o and o not in infos]
+    if missing:
+        infos.update(_shapes_by_running(model, missing, origin))
+    return infos
+
+
+def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) -> dict[str, TensorInfo]:
+    """Shapes static inference could not find, read off one run on zero inputs in onnxruntime."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in missing)
+    if probe.ir_version > 10:
+        probe.ir_version = 10
+    try:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 3
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        feeds = {}
+        for vi in model.graph.input:
+            dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+            feeds[vi.name] = np.zeros(_static_shape(vi) or (), dtype=dtype)
+        values = session.run(missing, feeds)
+    except Exception as exc:
+        raise OnnxpipeError(
+            f"{origin}: shapes of {len(missing)} tensors (first: '{missing[0]}') are unknown and the model could not be run to find them; "
+            "bind every symbolic dim with --dim or re-export with static shapes"
+        ) from exc
+    return {name: TensorInfo(name, np.asarray(v).dtype.name, tuple(np.asarray(v).shape)) for name, v in zip(missing, values)}
+
+
+def subgraph_captures(node: onnx.NodeProto) -> tuple[str, ...]:
+    """Names a node's subgraphs (If/Loop/Scan bodies, recursively) read from the enclosing scope."""
+    captured: list[str] = []
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in graphs:
+            defined = {i.name for i in g.input} | {t.name for t in g.initializer}
+            for inner in g.node:
+                for name in list(inner.input) + list(subgraph_captures(inner)):
+                    if name and name not in defined and name not in captured:
+                        captured.append(name)
+                defined.update(o for o in inner.output if o)
+            for out in g.output:
+                if out.name not in defined and out.name not in captured:
+                    captured.append(out.name)
+    return tuple(captured)
+
+
+def _build(model: onnx.ModelProto, tensors: dict[str, TensorInfo], dims: dict[str, int], origin: str) -> Graph:
+    graph = model.graph
+    init_names = frozenset(t.name for t in graph.initializer)
+    producers = {o: n.name for n in graph.node for o in n.output if o}
+    index = {n.name: i for i, n in enumerate(graph.node)}
+    dag = nx.MultiDiGraph()
+    for n in graph.node:
+        dag.add_node(n.name, op_type=n.op_type)
+    reads: dict[str, tuple[str, ...]] = {}
+    for n in graph.node:
+        listed = tuple(i for i in n.input if i)
+        reads[n.name] = listed + tuple(c for c in subgraph_captures(n) if c not in listed)
+        for t in reads[n.name]:
+            src = producers.get(t)
+            if src is not None and src != n.name:
+                info = tensors.get(t)
+                if info is None:
+                    raise OnnxpipeError(f"{origin}: tensor '{t}' has no known shape; re-export the model with shapes")
+                dag.add_edge(src, n.name, key=t, tensor=t, dtype=info.dtype, shape=info.shape, bytes=info.nbytes)
+    if not nx.is_directed_acyclic_graph(dag):
+        raise OnnxpipeError(f"{origin}: the graph has a cycle; the model is malformed, re-export it")
+    order = tuple(nx.lexicographical_topological_sort(dag, key=lambda name: index[name]))
+
+    constants = set(init_names)
+    constant_nodes: set[str] = set()
+    for name in order:
+        n = graph.node[index[name]]
+        if n.op_type in RANDOM_OPS:
+            continue
+        if all(t in constants for t in reads[name]):
+            constant_nodes.add(name)
+            constants.update(o for o in n.output if o)
+    for i, name in enumerate(order):
+        dag.nodes[name]["index"] = i
+        dag.nodes[name]["constant"] = name in constant_nodes
+
+    return Graph(
+        model=model,
+        dag=dag,
+        order=order,
+        tensors=tensors,
+        inputs=tuple(vi.name for vi in graph.input),
+        outputs=tuple(vi.name for vi in graph.output),
+        initializers=init_names,
+        constants=frozenset(constants),
+        constant_nodes=frozenset(constant_nodes),
+        dims=dict(dims),
+        source=origin,
+    )

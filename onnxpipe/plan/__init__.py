@@ -1,0 +1,1 @@
+"""Planner: CP-SAT formulation, coarsening, baselines, lower bounds and schedule exploration."""

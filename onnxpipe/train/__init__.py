@@ -1,0 +1,1 @@
+"""Pipelined training on onnxruntime-training: stage graphs, workers, transport, optimizer, checkpoints."""

@@ -1,0 +1,1 @@
+"""Bundled cluster descriptions (`*.toml`), read through `onnxpipe.target`."""
