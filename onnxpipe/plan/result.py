@@ -1,0 +1,166 @@
+"""The plan: stages in order with their devices, nodes, predicted times and memory; read and written as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from onnxpipe.errors import OnnxpipeError
+
+__all__ = ["Memory", "StagePlan", "SolveInfo", "Candidate", "Plan", "PLAN_FORMAT"]
+
+PLAN_FORMAT = "onnxpipe.plan/1"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one device of a stage holds at its peak, by kind."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage. Times are per micro-batch on one of its devices (replicas share the work)."""
+
+    index: int
+    #: Device instance names; more than one means the stage is replicated (data parallel inside the stage).
+    devices: tuple[str, ...]
+    #: Node names in topological order (compute nodes only; constant chains are copied where needed).
+    nodes: tuple[str, ...]
+    forward_seconds: float
+    backward_seconds: float
+    #: Seconds spent receiving inputs from earlier stages, per micro-batch.
+    comm_in_seconds: float
+    comm_out_seconds: float
+    comm_in_bytes: float
+    comm_out_bytes: float
+    #: Gradient all-reduce per iteration for replicated stages.
+    allreduce_seconds: float
+    #: True: only stage inputs are stashed and backward recomputes the forward.
+    recompute: bool
+    memory: Memory
+
+    @property
+    def busy_seconds(self) -> float:
+        """Steady-state time per micro-batch: compute plus communication."""
+        return self.forward_seconds + self.backward_seconds + self.comm_in_seconds + self.comm_out_seconds
+
+
+@dataclass(frozen=True)
+class SolveInfo:
+    """How the plan was found and how good it provably is."""
+
+    #: "OPTIMAL", "FEASIBLE" (CP-SAT), or the name of the method for baselines ("dp", "uniform", ...).
+    status: str
+    #: The solver's proven bound on the objective (seconds per micro-batch at the bottleneck).
+    bound_seconds: float
+    #: (objective - bound) / objective of the solve.
+    gap: float
+    solve_seconds: float
+    #: Upper bound on what coarsening may have cost, as a fraction of the objective.
+    coarsening_loss: float
+    #: Blocks the graph was coarsened to.
+    blocks: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration tried during exploration."""
+
+    schedule: str
+    microbatches: int
+    stages: int
+    replicas: int
+    iteration_seconds: float
+    peak_memory_bytes: float
+    feasible: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A partition of a model over a target, with its predicted quality."""
+
+    #: Path of the model it was planned for.
+    model: str
+    #: Digest of the model's compute nodes (names and op types); a plan for another model is refused.
+    fingerprint: str
+    #: Target name or path.
+    target: str
+    dims: Mapping[str, int]
+    #: Global batch per iteration.
+    batch: int
+    microbatches: int
+    #: "gpipe" or "1f1b".
+    schedule: str
+    #: "sgd" or "adam".
+    optimizer: str
+    stages: tuple[StagePlan, ...]
+    #: Bottleneck stage time per micro-batch (the objective).
+    bottleneck_seconds: float
+    #: First-principles lower bound on the bottleneck.
+    lower_bound_seconds: float
+    #: Predicted time of one iteration (all micro-batches, fill and drain, optimizer all-reduce).
+    iteration_seconds: float
+    solver: SolveInfo
+    explored: tuple[Candidate, ...] = field(default=())
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stages)), key=lambda i: self.stages[i].busy_seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"] = PLAN_FORMAT
+        data["dims"] = dict(self.dims)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], origin: str = "<plan>") -> Plan:
+        if data.get("format") != PLAN_FORMAT:
+            raise OnnxpipeError(f"{origin}: not an onnxpipe plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r}); write one with `onnxpipe plan`")
+        try:
+            stages = tuple(
+                StagePlan(**{**s, "devices": tuple(s["devices"]), "nodes": tuple(s["nodes"]), "memory": Memory(**s["memory"])})
+                for s in data["stages"]
+            )
+            values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            values.update(
+                stages=stages,
+                solver=SolveInfo(**data["solver"]),
+                explored=tuple(Candidate(**c) for c in data.get("explored", ())),
+                dims=dict(data["dims"]),
+            )
+            return cls(**values)
+        except (KeyError, TypeError) as exc:
+            raise OnnxpipeError(f"{origin}: plan is missing or has a bad field ({exc}); regenerate it with `onnxpipe plan`") from exc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: a reader never sees half a plan."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise OnnxpipeError(f"{path}: no such plan file; write one with `onnxpipe plan ... -o {path}`") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OnnxpipeError(f"{path}: not valid JSON ({exc}); regenerate it with `onnxpipe plan`") from exc
+        return cls.from_json(data, str(path))
