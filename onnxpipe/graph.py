@@ -6,6 +6,7 @@ Reading order: `load` (public entry) -> `_read_model` -> `_normalize` -> `_bind_
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import tempfile
@@ -96,6 +97,26 @@ class Graph:
     def compute_nodes(self) -> tuple[str, ...]:
         """Topologically ordered nodes that depend on user inputs (what the planner places)."""
         return tuple(n for n in self.order if n not in self.constant_nodes)
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of the compute nodes (names, op types, input and output names): plans carry it so one
+        made for another model is refused."""
+        cache = self.__dict__.get("_fingerprint")
+        if cache is None:
+            digest = hashlib.sha256()
+            for name in self.compute_nodes:
+                node = self.node(name)
+                digest.update(f"{name}|{node.op_type}|{','.join(node.input)}|{','.join(node.output)}\n".encode())
+            cache = digest.hexdigest()[:16]
+            object.__setattr__(self, "_fingerprint", cache)
+        return cache
+
+    @property
+    def batch(self) -> int:
+        """Size of axis 0 of the first input: the batch the graph's shapes (and so its costs) are for."""
+        first = self.tensors[self.inputs[0]] if self.inputs else None
+        return first.shape[0] if first is not None and first.shape else 1
 
     @property
     def parameters(self) -> tuple[str, ...]:
