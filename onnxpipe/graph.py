@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ __all__ = ["TensorInfo", "Graph", "load", "subgraph_captures", "RANDOM_OPS"]
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
 
-_TWO_GB = 2**31
+#: Initializers larger than this have their bytes lifted out during shape inference.
+_LIFT_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -243,16 +243,27 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> Non
 
 
 def _infer_shapes(model: onnx.ModelProto, origin: str) -> onnx.ModelProto:
+    """Infer shapes on the model with its large weights' bytes lifted out, then put them back: shape
+    inference needs only their dims, and this keeps peak memory near one copy of the model."""
+    lifted = {t.name: t.raw_data for t in model.graph.initializer if len(t.raw_data) > _LIFT_BYTES}
+    for t in model.graph.initializer:
+        if t.name in lifted:
+            t.ClearField("raw_data")
     try:
-        if model.ByteSize() < _TWO_GB:
-            return shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            src, dst = os.path.join(tmp, "in.onnx"), os.path.join(tmp, "out.onnx")
-            onnx.save(model, src, save_as_external_data=True, location="in.onnx.data")
-            shape_inference.infer_shapes_path(src, dst, strict_mode=False, data_prop=True)
-            return onnx.load(dst, load_external_data=True)
+        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception as exc:
-        raise OnnxpipeError(f"{origin}: shape inference failed ({str(exc).splitlines()[0][:200]}); run onnx.checker on the model and fix the reported node") from exc
+        raise OnnxpipeError(
+            f"{origin}: shape inference failed ({str(exc).splitlines()[0][:200]}); run onnx.checker on the model and fix the reported node"
+        ) from exc
+    finally:
+        for t in model.graph.initializer:
+            if t.name in lifted:
+                t.raw_data = lifted.pop(t.name)
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    for mine, theirs in zip(model.graph.output, inferred.graph.output):
+        mine.CopyFrom(theirs)
+    return model
 
 
 def _value_infos(model: onnx.ModelProto) -> Iterable[onnx.ValueInfoProto]:
