@@ -1,0 +1,177 @@
+"""The graph IR: loading real-world model shapes, binding dims, telling constants from activations."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import load, subgraph_captures
+
+
+def _mlp(batch: int | str = 4) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((16, 3)).astype(np.float32), "w2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["r"], name="act"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2"),
+        helper.make_node("Slice", ["r", "starts", "ends", "axes"], ["r_skip"], name="narrow"),
+        helper.make_node("Add", ["y", "r_skip"], ["z"], name="skip"),
+    ]
+    consts = [
+        numpy_helper.from_array(np.array([0], np.int64), "starts"),
+        numpy_helper.from_array(np.array([3], np.int64), "ends"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [w1, w2, *consts],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_load_builds_dag_with_edge_tensors_and_shapes() -> None:
+    g = load(_mlp())
+    assert g.order == ("fc1", "act", "fc2", "narrow", "skip")
+    assert g.tensors["h"].shape == (4, 16) and g.tensors["h"].nbytes == 4 * 16 * 4
+    edge = g.dag.get_edge_data("act", "fc2")["r"]
+    assert (edge["tensor"], edge["dtype"], edge["shape"], edge["bytes"]) == ("r", "float32", (4, 16), 256)
+    assert g.inputs == ("x",) and g.outputs == ("z",)
+    assert g.parameters == ("w1", "w2")
+    assert g.batch == 4
+    assert g.consumers("r") == ("fc2", "narrow")
+
+
+def test_symbolic_dims_bind_and_unbound_dims_name_the_flag() -> None:
+    g = load(_mlp("batch"), {"batch": 6})
+    assert g.tensors["z"].shape == (6, 3) and g.dims == {"batch": 6}
+    with pytest.raises(OnnxpipeError, match=r"dim 'batch' of input 'x' is unbound.*--dim batch=VALUE"):
+        load(_mlp("batch"))
+    with pytest.raises(OnnxpipeError, match=r"--dim seq names no symbolic dim of the model \(its dims: batch\)"):
+        load(_mlp("batch"), {"batch": 2, "seq": 4})
+
+
+def test_legacy_ir3_initializers_listed_as_inputs_are_not_user_inputs() -> None:
+    model = _mlp()
+    for init in model.graph.initializer:
+        model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    model.ir_version = 3
+    g = load(model)
+    assert g.inputs == ("x",)
+    assert {"w1", "w2"} <= g.initializers
+    assert g.model.ir_version >= 4
+
+
+def test_weights_produced_by_constant_nodes_become_parameters() -> None:
+    model = _mlp()
+    w1 = next(t for t in model.graph.initializer if t.name == "w1")
+    kept = [t for t in model.graph.initializer if t.name != "w1"]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["w1"], value=w1))
+    g = load(model)
+    assert "w1" in g.parameters
+    assert g.compute_nodes == ("fc1", "act", "fc2", "narrow", "skip")
+
+
+def test_constant_chains_are_told_apart_from_activations() -> None:
+    model = _mlp()
+    model.graph.node.insert(0, helper.make_node("Mul", ["starts", "starts"], ["starts2"], name="fold"))
+    model.graph.node.insert(1, helper.make_node("ConstantOfShape", ["ends"], ["zeros"], name="zeros_of"))
+    g = load(model)
+    assert {"fold", "zeros_of"} <= g.constant_nodes
+    assert {"starts2", "zeros", "w1"} <= g.constants
+    assert "h" not in g.constants
+    assert "fold" not in g.compute_nodes
+
+
+def test_unnamed_and_duplicate_node_names_are_made_unique_and_order_is_deterministic() -> None:
+    model = _mlp()
+    for node in model.graph.node:
+        node.name = "" if node.name != "act" else "fc2"
+    first, second = load(model), load(model)
+    assert first.order == second.order
+    assert len(set(first.order)) == len(first.order) == 5
+
+
+def test_if_and_loop_bodies_capture_outer_tensors_as_node_inputs() -> None:
+    then_body = helper.make_graph(
+        [helper.make_node("Mul", ["h", "w_then"], ["t_out"], name="then_mul")],
+        "then", [], [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, [2, 4])],
+    )
+    else_body = helper.make_graph(
+        [helper.make_node("Neg", ["h"], ["e_out"], name="else_neg")],
+        "else", [], [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, [2, 4])],
+    )
+    loop_body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep"),
+            helper.make_node("Add", ["acc_in", "branch"], ["acc_out"], name="accumulate"),
+        ],
+        "loop",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [2, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [2, 4]),
+        ],
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["flag"], name="positive"),
+        helper.make_node("If", ["flag"], ["branch"], name="choose", then_branch=then_body, else_branch=else_body),
+        helper.make_node("Loop", ["trips", "true", "h"], ["acc"], name="repeat", body=loop_body),
+    ]
+    inits = [
+        numpy_helper.from_array(np.full((2, 4), 2.0, np.float32), "w_then"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(3, np.int64), "trips"),
+        numpy_helper.from_array(np.array(True), "true"),
+    ]
+    graph = helper.make_graph(
+        nodes, "cf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("acc", TensorProto.FLOAT, [2, 4])], inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    g = load(model)
+    assert set(subgraph_captures(g.node("choose"))) == {"h", "w_then"}
+    assert set(g.node_inputs("repeat")) == {"trips", "true", "h", "branch"}
+    assert g.dag.has_edge("relu", "choose") and g.dag.has_edge("choose", "repeat")
+    assert g.order.index("choose") < g.order.index("repeat")
+
+
+def test_bad_files_give_one_line_errors(tmp_path) -> None:
+    with pytest.raises(OnnxpipeError, match="no such file"):
+        load(tmp_path / "missing.onnx")
+    with pytest.raises(OnnxpipeError, match="not a file"):
+        load(tmp_path)
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\x00\xffnot a protobuf at all" * 10)
+    with pytest.raises(OnnxpipeError, match="not (a readable ONNX|an ONNX) model"):
+        load(junk)
+    good = tmp_path / "good.onnx"
+    onnx.save(_mlp(), good)
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(OnnxpipeError) as info:
+        load(truncated)
+    assert "\n" not in str(info.value)
+
+
+def test_external_data_models_load(tmp_path) -> None:
+    path = tmp_path / "ext.onnx"
+    onnx.save(_mlp(), path, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.onnx.data", size_threshold=0)
+    g = load(path)
+    weights = numpy_helper.to_array(next(t for t in g.model.graph.initializer if t.name == "w1"))
+    assert weights.shape == (8, 16) and np.isfinite(weights).all()
