@@ -116,6 +116,9 @@ def spec(name: str) -> ModelSpec:
         raise OnnxpipeError(f"unknown model {name!r}; choose one of: {', '.join(_SPECS)}") from None
 
 
+_KIND = {bool: "true or false", int: "an integer", float: "a number"}
+
+
 def _ensure_knob(s: ModelSpec, key: str, value: object) -> Knob:
     if key not in s.knobs:
         raise OnnxpipeError(f"model {s.name!r} has no knob {key!r}; its knobs: {', '.join(s.knobs)}")
@@ -128,17 +131,17 @@ def _ensure_knob(s: ModelSpec, key: str, value: object) -> Knob:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value  # type: ignore[arg-type]
     if not ok:
-        raise OnnxpipeError(f"knob {key}={value!r} of model {s.name!r} must be a {type(default).__name__}")
+        raise OnnxpipeError(f"knob {key}={value!r} of model {s.name!r} must be {_KIND[type(default)]}")
     return value  # type: ignore[return-value]
 
 
 def build(name: str, **knobs: Knob) -> onnx.ModelProto:
     """Build a registered model; knobs not given take the spec's defaults."""
     s = spec(name)
-    values = dict(s.knobs)
-    values.update({key: _ensure_knob(s, key, value) for key, value in knobs.items()})
     if knobs.get("train") and not s.trainable:
         raise OnnxpipeError(f"model {name!r} has no training variant; trainable models: {', '.join(x.name for x in specs() if x.trainable)}")
+    values = dict(s.knobs)
+    values.update({key: _ensure_knob(s, key, value) for key, value in knobs.items()})
     model = s.builder(**values)
     model.graph.name = name
     return model
@@ -161,7 +164,7 @@ def parse_knob(name: str, item: str) -> tuple[str, Knob]:
             return key, text.lower() in ("true", "1", "yes")
         return key, type(default)(text)
     except ValueError:
-        raise OnnxpipeError(f"--set {item!r}: {key} of model {name!r} takes a {type(default).__name__} (default {default})") from None
+        raise OnnxpipeError(f"--set {item!r}: {key} of model {name!r} must be {_KIND[type(default)]} (default {default})") from None
 
 
 def save(model: onnx.ModelProto, path: str | os.PathLike, external: bool | None = None) -> list[Path]:

@@ -51,3 +51,104 @@ def parse_dims(values: list[str] | None) -> dict[str, int]:
             raise OnnxpipeError(f"--dim {item!r}: expected NAME=VALUE with a positive integer, e.g. --dim batch=8")
         dims[name.strip()] = int(value)
     return dims
+
+
+# -- onnxpipe models: the model zoo ------------------------------------------------------------
+
+models_app = typer.Typer(add_completion=False, help="List the built-in model zoo and build its models to .onnx files.")
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback(invoke_without_command=True)
+def _models(ctx: typer.Context) -> None:
+    """List the models: name, description, whether a training variant exists, whether full size."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.table import Table
+
+    from onnxpipe import models
+
+    table = Table(title="onnxpipe models")
+    table.add_column("name", no_wrap=True)
+    for column in ("description", "trainable", "full size", "knobs"):
+        table.add_column(column)
+    for spec in models.specs():
+        knobs = " ".join(f"{k}={v}" for k, v in spec.knobs.items() if k not in ("train", "seed"))
+        table.add_row(spec.name, spec.description, "yes" if spec.trainable else "no", "yes" if spec.full_size else "no", knobs)
+    console.print(table)
+
+
+@models_app.command("build")
+@friendly
+def _models_build(
+    name: str = typer.Argument(..., help="Model name (see `onnxpipe models`)."),
+    output: str = typer.Option(..., "-o", "--output", help="Where to write the .onnx file."),
+    knob: list[str] = typer.Option(None, "--set", help="Knob override KEY=VALUE, repeatable, e.g. --set layers=4 --set batch=2."),
+    train: bool = typer.Option(False, "--train", help="Build the training variant (first output: scalar loss; extra `labels` input)."),
+) -> None:
+    """Build one model of the zoo and write it (weights go to FILE.data when over 1.5 GB)."""
+    from onnxpipe import models
+
+    knobs = dict(models.parse_knob(name, item) for item in knob or [])
+    if train:
+        knobs["train"] = True
+    model = models.build(name, **knobs)
+    written = models.save(model, output)
+    size = sum(p.stat().st_size for p in written)
+    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {len(model.graph.node)} nodes, {size / 2**20:.1f} MiB)")
+
+
+# --- targets ---------------------------------------------------------------
+
+targets_app = typer.Typer(help="Cluster descriptions: list the bundled targets, show one in detail.")
+app.add_typer(targets_app, name="targets")
+
+
+@targets_app.callback(invoke_without_command=True)
+@friendly
+def targets_list(ctx: typer.Context) -> None:
+    """List the bundled targets (`--target NAME` also takes a path to a .toml)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.table import Table
+
+    from onnxpipe.target import bundled_targets, load_target
+    from onnxpipe.units import format_bytes
+
+    table = Table(title="bundled targets (or pass --target path/to/cluster.toml)")
+    for column in ("name", "devices", "memory", "description"):
+        table.add_column(column)
+    for name in bundled_targets():
+        target = load_target(name)
+        table.add_row(name, target.summary(), format_bytes(target.total_memory), target.description)
+    console.print(table)
+
+
+@targets_app.command("show")
+@friendly
+def targets_show(target: str = typer.Argument(..., help="A bundled target name or the path of a .toml target file.")) -> None:
+    """Show a target's devices and links."""
+    from rich.table import Table
+
+    from onnxpipe.target import load_target
+    from onnxpipe.units import format_bytes, format_flops, format_rate, format_seconds
+
+    t = load_target(target)
+    console.print(f"[bold]{t.name}[/]: {t.description}  [dim]({t.source}; node times {'profiled here' if t.profile else 'from the roofline'})[/]")
+    devices = Table(title="devices")
+    for column in ("group", "kind", "instances", "peak FLOP/s", "memory", "bandwidth", "op overhead", "efficiency"):
+        devices.add_column(column)
+    for group, members in t.groups().items():
+        d = members[0]
+        instances = f"{members[0].name} .. {members[-1].name}" if len(members) > 1 else d.name
+        kind = f"{d.kind} ({d.threads} thread{'s' if d.threads > 1 else ''})" if d.kind == "cpu" else d.kind
+        peaks = "\n".join(f"{dtype} {format_flops(v)}" for dtype, v in d.peak_flops.items())
+        efficiency = ", ".join(f"{op} {v:g}" for op, v in d.efficiency.items())
+        devices.add_row(group, kind, instances, peaks, format_bytes(d.memory_bytes), format_rate(d.memory_bandwidth), format_seconds(d.op_overhead), efficiency)
+    console.print(devices)
+    links = Table(title="links")
+    for column in ("between", "topology", "bandwidth", "latency"):
+        links.add_column(column)
+    for link in t.links:
+        links.add_row(" <-> ".join(link.between), link.topology, format_rate(link.bandwidth), format_seconds(link.latency))
+    console.print(links)
