@@ -2,6 +2,7 @@
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
+from onnxpipe.target import Target, load_target
 
-__all__ = ["OnnxpipeError", "Graph", "load"]
+__all__ = ["OnnxpipeError", "Graph", "load", "Target", "load_target"]
 __version__ = "0.1.0"

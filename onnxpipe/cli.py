@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from onnxpipe.errors import OnnxpipeError
 
@@ -33,7 +34,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except OnnxpipeError as exc:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             sys.exit(2)
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
@@ -130,22 +131,33 @@ def targets_show(target: str = typer.Argument(..., help="A bundled target name o
     """Show a target's devices and links."""
     from rich.table import Table
 
-    from onnxpipe.target import load_target
+    from onnxpipe.cost import OP_CLASSES
+    from onnxpipe.target import DTYPES, load_target
     from onnxpipe.units import format_bytes, format_flops, format_rate, format_seconds
 
     t = load_target(target)
     console.print(f"[bold]{t.name}[/]: {t.description}  [dim]({t.source}; node times {'profiled here' if t.profile else 'from the roofline'})[/]")
+    dtypes = [dtype for dtype in DTYPES if any(dtype in d.peak_flops for d in t.devices)]
+    classes = [c for c in (*OP_CLASSES, "default") if any(c in d.efficiency for d in t.devices)]
     devices = Table(title="devices")
-    for column in ("group", "kind", "instances", "peak FLOP/s", "memory", "bandwidth", "op overhead", "efficiency"):
+    peak = Table(title="peak rate per dtype")
+    efficiency = Table(title="efficiency: share of peak per op class")
+    for column in ("group", "kind", "devices", "memory", "memory bandwidth", "op overhead"):
         devices.add_column(column)
+    for column in ("group", *dtypes):
+        peak.add_column(column)
+    for column in ("group", *classes):
+        efficiency.add_column(column)
     for group, members in t.groups().items():
         d = members[0]
-        instances = f"{members[0].name} .. {members[-1].name}" if len(members) > 1 else d.name
-        kind = f"{d.kind} ({d.threads} thread{'s' if d.threads > 1 else ''})" if d.kind == "cpu" else d.kind
-        peaks = "\n".join(f"{dtype} {format_flops(v)}" for dtype, v in d.peak_flops.items())
-        efficiency = ", ".join(f"{op} {v:g}" for op, v in d.efficiency.items())
-        devices.add_row(group, kind, instances, peaks, format_bytes(d.memory_bytes), format_rate(d.memory_bandwidth), format_seconds(d.op_overhead), efficiency)
+        kind = f"{d.kind}, {d.threads} thread{'s' if d.threads > 1 else ''}" if d.kind == "cpu" else d.kind
+        instances = f"{members[0].name}..{len(members) - 1}" if len(members) > 1 else d.name
+        devices.add_row(group, kind, instances, format_bytes(d.memory_bytes), format_rate(d.memory_bandwidth), format_seconds(d.op_overhead))
+        peak.add_row(group, *(format_flops(d.peak_flops[dtype], dtype) if dtype in d.peak_flops else "-" for dtype in dtypes))
+        efficiency.add_row(group, *(f"{d.efficiency[c]:g}" if c in d.efficiency else "-" for c in classes))
     console.print(devices)
+    console.print(peak)
+    console.print(efficiency)
     links = Table(title="links")
     for column in ("between", "topology", "bandwidth", "latency"):
         links.add_column(column)

@@ -1,20 +1,44 @@
-"""Cluster descriptions: devices, links, and the time model (roofline per node, latency + bytes/bandwidth per transfer)."""
+"""Cluster descriptions: devices, links, and the time model (roofline per node, latency + bytes/bandwidth per transfer).
+
+Reading order: the dataclasses `Device`, `Link`, `Target` (with the time model), then
+`load_target` (public entry) -> `_read_toml` -> `_parse_target` -> `_parse_device` /
+`_parse_link` -> `_ensure_links`, and the small `_ensure_*` validators at the end.
+
+Device instances are expanded from each `[[devices]]` group by its `count` and named
+`f"{group}_{i}"`, i = 0..count-1 in file order: group "u280" with count 4 gives
+"u280_0" .. "u280_3". Every pair of groups whose devices can talk (a group with itself
+when its count > 1) needs exactly one `[[links]]` entry.
+"""
 
 from __future__ import annotations
 
+import re
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, NoReturn
 
-from onnxpipe.cost import NodeCost
+from onnxpipe.cost import OP_CLASSES, NodeCost
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.units import UnitError, parse_quantity
 
-__all__ = ["Device", "Link", "Target"]
+__all__ = ["Device", "Link", "Target", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
+
+#: Device kinds a target may hold.
+DEVICE_KINDS = ("gpu", "fpga", "cpu")
+#: Dtypes a device may give a peak rate for; "float32" is required (the fallback of the time model).
+DTYPES = ("float32", "float16", "bfloat16", "int8")
+#: Link topologies.
+TOPOLOGIES = ("switch", "ring", "nvlink", "pcie", "ethernet", "shm")
 
 
 @dataclass(frozen=True)
 class Device:
     """One accelerator (or CPU worker process) of a target."""
 
-    #: Unique instance name, e.g. "fpga0".
+    #: Unique instance name, f"{group}_{i}", e.g. "u280_0".
     name: str
     #: The `[[devices]]` entry it was expanded from, e.g. "u280".
     group: str
@@ -67,6 +91,22 @@ class Target:
                 return d
         raise KeyError(name)
 
+    def groups(self) -> dict[str, tuple[Device, ...]]:
+        """Device instances by group, in file order."""
+        out: dict[str, list[Device]] = {}
+        for d in self.devices:
+            out.setdefault(d.group, []).append(d)
+        return {g: tuple(ds) for g, ds in out.items()}
+
+    def summary(self) -> str:
+        """The devices in a few words, e.g. "2x v100 (gpu) + 2x u280 (fpga)"."""
+        return " + ".join(f"{len(ds)}x {g} ({ds[0].kind})" for g, ds in self.groups().items())
+
+    @property
+    def total_memory(self) -> float:
+        """Bytes of device memory over all devices."""
+        return sum(d.memory_bytes for d in self.devices)
+
     def link(self, a: str, b: str) -> Link:
         """The link joining two devices (by instance name)."""
         ga, gb = self.device(a).group, self.device(b).group
@@ -103,3 +143,215 @@ class Target:
         peak = d.peak_flops.get(dtype) or d.peak_flops["float32"]
         efficiency = d.efficiency.get(cost.op_class, d.efficiency.get("default", 1.0))
         return max(flops / (peak * efficiency), nbytes / d.memory_bandwidth) + d.op_overhead
+
+
+_BUNDLED = ("fpga4", "gpu4", "hetero", "cpu2", "cpu4")
+
+#: What to write for a missing key, shown in the error.
+_EXAMPLES = {
+    "name": 'name = "mycluster"',
+    "description": 'description = "4 accelerators on a PCIe switch"',
+    "devices": '[[devices]] name = "u280" ...',
+    "kind": 'kind = "gpu"',
+    "count": "count = 4",
+    "memory": 'memory = "16 GiB"',
+    "memory_bandwidth": 'memory_bandwidth = "460 GB/s"',
+    "peak_flops": 'peak_flops = { float32 = "9.2 TFLOP/s" }',
+    "float32": 'float32 = "9.2 TFLOP/s"',
+    "op_overhead": 'op_overhead = "5 us"',
+    "threads": "threads = 1",
+    "efficiency": "efficiency = { default = 0.5 }",
+    "default": "default = 0.5",
+    "between": 'between = ["u280", "u280"]',
+    "bandwidth": 'bandwidth = "12 GB/s"',
+    "latency": 'latency = "10 us"',
+    "topology": 'topology = "pcie"',
+}
+
+_GROUP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]*$")
+
+
+def bundled_targets() -> tuple[str, ...]:
+    """Names of the targets shipped with onnxpipe."""
+    return _BUNDLED
+
+
+def load_target(name_or_path: str) -> Target:
+    """A bundled target by name (see `bundled_targets`) or a target file by path."""
+    if name_or_path in _BUNDLED:
+        resource = resources.files("onnxpipe.targets").joinpath(f"{name_or_path}.toml")
+        return _parse_target(_read_toml(resource.read_text(encoding="utf-8"), f"targets/{name_or_path}.toml"), f"targets/{name_or_path}.toml", str(resource))
+    path = Path(name_or_path)
+    if path.suffix != ".toml" and len(path.parts) == 1 and not path.exists():
+        raise OnnxpipeError(
+            f"unknown target {name_or_path!r}; bundled targets: {', '.join(_BUNDLED)}; or pass the path of a .toml target file"
+        )
+    if not path.is_file():
+        raise OnnxpipeError(f"{name_or_path}: no such target file; pass an existing .toml or one of {', '.join(_BUNDLED)}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OnnxpipeError(f"{name_or_path}: cannot read target file ({exc})") from exc
+    return _parse_target(_read_toml(text, name_or_path), name_or_path, str(path.resolve()))
+
+
+def _read_toml(text: str, origin: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise OnnxpipeError(f"{origin}: invalid TOML: {str(exc).splitlines()[0]}; fix the syntax there") from exc
+
+
+def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links"), origin, "")
+    name = _ensure_str(doc, "name", origin, "")
+    description = _ensure_str(doc, "description", origin, "")
+    profile = doc.get("profile", False)
+    if not isinstance(profile, bool):
+        _fail(origin, "profile", f"expected true or false, got {profile!r}")
+    groups = _ensure_table_list(doc, "devices", origin)
+    if not groups:
+        _fail(origin, "devices", "no devices; add at least one [[devices]] entry")
+    devices: list[Device] = []
+    counts: dict[str, int] = {}
+    for i, table in enumerate(groups):
+        group, count, device = _parse_device(table, origin, f"devices[{i}]")
+        if group in counts:
+            _fail(origin, f"devices[{i}].name", f"group {group!r} appears twice; give each [[devices]] entry its own name")
+        counts[group] = count
+        devices.extend(Device(**{**device, "name": f"{group}_{k}", "group": group}) for k in range(count))
+    links = tuple(
+        _parse_link(table, origin, f"links[{i}]", counts) for i, table in enumerate(_ensure_table_list(doc, "links", origin))
+    )
+    _ensure_links(links, counts, origin)
+    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source)
+
+
+def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:
+    """The group name, its count, and the Device fields shared by its instances."""
+    required = ("name", "kind", "count", "memory", "memory_bandwidth", "peak_flops", "op_overhead", "efficiency")
+    _ensure_keys(table, required, ("threads",), origin, path)
+    group = _ensure_str(table, "name", origin, path)
+    if not _GROUP_NAME.match(group):
+        _fail(origin, f"{path}.name", f"bad group name {group!r}; use letters, digits and '-', starting with a letter")
+    kind = _ensure_str(table, "kind", origin, path, DEVICE_KINDS)
+    count = _ensure_int(table, "count", origin, path)
+    if kind == "cpu" and "threads" not in table:
+        _fail(origin, f"{path}.threads", f"missing; cpu devices need it, e.g. {_EXAMPLES['threads']}")
+    if kind != "cpu" and "threads" in table:
+        _fail(origin, f"{path}.threads", f"only cpu devices have threads; remove it from this {kind} device")
+    threads = _ensure_int(table, "threads", origin, path) if kind == "cpu" else 0
+    peak = _ensure_subtable(table, "peak_flops", origin, path)
+    _ensure_keys(peak, ("float32",), DTYPES, origin, f"{path}.peak_flops", "dtype")
+    efficiency = _ensure_subtable(table, "efficiency", origin, path)
+    _ensure_keys(efficiency, ("default",), OP_CLASSES, origin, f"{path}.efficiency", "op class")
+    fields = {
+        "kind": kind,
+        "peak_flops": {k: _ensure_quantity(peak, k, "flops", origin, f"{path}.peak_flops") for k in peak},
+        "memory_bytes": _ensure_quantity(table, "memory", "bytes", origin, path),
+        "memory_bandwidth": _ensure_quantity(table, "memory_bandwidth", "bandwidth", origin, path),
+        "efficiency": {k: _ensure_fraction(efficiency, k, origin, f"{path}.efficiency") for k in efficiency},
+        "op_overhead": _ensure_quantity(table, "op_overhead", "time", origin, path, allow_zero=True),
+        "threads": threads,
+    }
+    return group, count, fields
+
+
+def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -> Link:
+    _ensure_keys(table, ("between", "bandwidth", "latency", "topology"), (), origin, path)
+    between = table["between"]
+    if not (isinstance(between, list) and len(between) == 2 and all(isinstance(g, str) for g in between)):
+        _fail(origin, f"{path}.between", f"expected two device group names, e.g. {_EXAMPLES['between']}, got {between!r}")
+    for g in between:
+        if g not in counts:
+            _fail(origin, f"{path}.between", f"unknown device group {g!r}; groups: {', '.join(counts)}")
+    return Link(
+        between=(between[0], between[1]),
+        bandwidth=_ensure_quantity(table, "bandwidth", "bandwidth", origin, path),
+        latency=_ensure_quantity(table, "latency", "time", origin, path, allow_zero=True),
+        topology=_ensure_str(table, "topology", origin, path, TOPOLOGIES),
+    )
+
+
+def _ensure_links(links: tuple[Link, ...], counts: Mapping[str, int], origin: str) -> None:
+    """Exactly one link per pair of groups that can talk."""
+    seen: dict[frozenset[str], int] = {}
+    for i, link in enumerate(links):
+        pair = frozenset(link.between)
+        if pair in seen:
+            _fail(origin, f"links[{i}]", f"second link between {link.between[0]} and {link.between[1]} (first is links[{seen[pair]}]); keep one")
+        seen[pair] = i
+    names = list(counts)
+    for i, a in enumerate(names):
+        for b in names[i:]:
+            if (a != b or counts[a] > 1) and frozenset((a, b)) not in seen:
+                raise OnnxpipeError(
+                    f"{origin}: no link between device groups {a} and {b}; add [[links]] with between = [\"{a}\", \"{b}\"], bandwidth, latency and topology"
+                )
+
+
+def _fail(origin: str, path: str, message: str) -> NoReturn:
+    raise OnnxpipeError(f"{origin}: {path}: {message}" if path else f"{origin}: {message}")
+
+
+def _key(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _ensure_keys(table: Any, required: tuple[str, ...], optional: tuple[str, ...], origin: str, path: str, what: str = "key") -> None:
+    if not isinstance(table, dict):
+        _fail(origin, path, f"expected a table, got {table!r}")
+    known = required + tuple(k for k in optional if k not in required)
+    for key in table:
+        if key not in known:
+            _fail(origin, _key(path, key), f"unknown {what}; use {', '.join(known)}")
+    for key in required:
+        if key not in table:
+            _fail(origin, _key(path, key), f"missing; add e.g. {_EXAMPLES[key]}")
+
+
+def _ensure_table_list(doc: dict[str, Any], key: str, origin: str) -> list[Any]:
+    value = doc.get(key, [])
+    if not isinstance(value, list):
+        _fail(origin, key, f"expected [[{key}]] entries, got {value!r}")
+    return value
+
+
+def _ensure_subtable(table: dict[str, Any], key: str, origin: str, path: str) -> dict[str, Any]:
+    value = table[key]
+    if not isinstance(value, dict):
+        _fail(origin, _key(path, key), f"expected a table, e.g. {_EXAMPLES[key]}, got {value!r}")
+    return value
+
+
+def _ensure_str(table: dict[str, Any], key: str, origin: str, path: str, choices: tuple[str, ...] = ()) -> str:
+    value = table[key]
+    if not isinstance(value, str) or not value.strip():
+        _fail(origin, _key(path, key), f"expected a non-empty string, e.g. {_EXAMPLES[key]}, got {value!r}")
+    if choices and value not in choices:
+        _fail(origin, _key(path, key), f"unknown {key} {value!r}; use {', '.join(choices)}")
+    return value
+
+
+def _ensure_int(table: dict[str, Any], key: str, origin: str, path: str) -> int:
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(origin, _key(path, key), f"expected a positive whole number, got {value!r}")
+    return value
+
+
+def _ensure_quantity(table: dict[str, Any], key: str, kind: str, origin: str, path: str, allow_zero: bool = False) -> float:
+    try:
+        value = parse_quantity(table[key], kind)
+    except UnitError as exc:
+        _fail(origin, _key(path, key), str(exc))
+    if value < 0 or (value == 0 and not allow_zero):
+        _fail(origin, _key(path, key), f"must be {'zero or more' if allow_zero else 'positive'}, got {table[key]!r}")
+    return value
+
+
+def _ensure_fraction(table: dict[str, Any], key: str, origin: str, path: str) -> float:
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        _fail(origin, _key(path, key), f"efficiency must be a number in (0, 1], got {value!r}")
+    return float(value)

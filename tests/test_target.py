@@ -1,0 +1,241 @@
+"""Target files: bundled targets load, units parse, every validation error names file and key, the time model's math."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onnxpipe.cost import NodeCost
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.target import bundled_targets, load_target
+from onnxpipe.units import UnitError, format_bytes, format_flops, format_rate, format_seconds, parse_quantity
+
+GOOD = """\
+name = "tiny"
+description = "one gpu group and one fpga group"
+
+[[devices]]
+name = "g"
+kind = "gpu"
+count = 2
+memory = "16 GiB"
+memory_bandwidth = "1000 GB/s"
+op_overhead = "5 us"
+peak_flops = { float32 = "10 TFLOP/s", float16 = "40 TFLOP/s" }
+efficiency = { matmul = 0.5, default = 1.0 }
+
+[[devices]]
+name = "f"
+kind = "fpga"
+count = 1
+memory = "8 GiB"
+memory_bandwidth = "400 GB/s"
+op_overhead = 0
+peak_flops = { float32 = "1 TFLOP/s" }
+efficiency = { default = 0.25 }
+
+[[links]]
+between = ["g", "g"]
+bandwidth = "50 GB/s"
+latency = "10 us"
+topology = "nvlink"
+
+[[links]]
+between = ["f", "g"]
+bandwidth = "10 GB/s"
+latency = "30 us"
+topology = "pcie"
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def cost(flops: float, nbytes: float, op_class: str = "matmul", measured: float | None = None) -> NodeCost:
+    return NodeCost(
+        op_type="MatMul", op_class=op_class, flops=flops, bytes_read=nbytes / 2, bytes_written=nbytes / 2, param_bytes=0.0,
+        activation_bytes=0.0, backward_flops=2 * flops, backward_bytes=2 * nbytes, measured_seconds=measured,
+        measured_backward_seconds=None if measured is None else 2 * measured,
+    )
+
+
+@pytest.mark.parametrize("name", bundled_targets())
+def test_bundled_target_loads(name: str) -> None:
+    target = load_target(name)
+    assert target.name == name
+    assert target.devices and all(d.memory_bytes > 0 and d.peak_flops["float32"] > 0 for d in target.devices)
+    assert target.profile == name.startswith("cpu")
+    names = [d.name for d in target.devices]
+    for a in names:
+        for b in names:
+            if a != b:
+                assert target.transfer_seconds(a, b, 1e6) > 0
+
+
+def test_bundled_figures() -> None:
+    fpga, gpu, hetero = load_target("fpga4"), load_target("gpu4"), load_target("hetero")
+    assert [d.name for d in fpga.devices] == ["u280_0", "u280_1", "u280_2", "u280_3"]
+    assert fpga.devices[0].memory_bytes == 8 * 2**30 and fpga.devices[0].memory_bandwidth == 460e9
+    assert fpga.devices[0].peak_flops["int8"] == 24.5e12
+    assert gpu.devices[0].peak_flops["float32"] == 15.7e12 and gpu.devices[0].peak_flops["float16"] == 125e12
+    assert gpu.devices[0].memory_bandwidth == 900e9
+    assert hetero.summary() == "2x v100 (gpu) + 2x u280 (fpga)"
+    assert hetero.total_memory == 2 * 32 * 2**30 + 2 * 8 * 2**30
+    assert len(load_target("cpu4").devices) == 4 and load_target("cpu2").devices[0].threads == 1
+
+
+def test_units() -> None:
+    assert parse_quantity("16 GiB", "bytes") == 16 * 2**30
+    assert parse_quantity("1.5KB", "bytes") == 1500
+    assert parse_quantity("460 GB/s", "bandwidth") == 460e9
+    assert parse_quantity("100 Gbit/s", "bandwidth") == 12.5e9
+    assert parse_quantity("9.2 TFLOP/s", "flops") == pytest.approx(9.2e12)
+    assert parse_quantity("24.5 TOP/s", "flops") == pytest.approx(24.5e12)
+    assert parse_quantity("5 us", "time") == pytest.approx(5e-6)
+    assert parse_quantity("2e-3 s", "time") == pytest.approx(2e-3)
+    assert parse_quantity(1024, "bytes") == 1024.0
+    with pytest.raises(UnitError, match=r"bad unit 'parsecs'; use B, KB, MB, GB, KiB, MiB or GiB"):
+        parse_quantity("16 parsecs", "bytes")
+    with pytest.raises(UnitError, match="expected a number with a unit"):
+        parse_quantity("lots", "time")
+    with pytest.raises(UnitError):
+        parse_quantity(True, "bytes")
+    assert format_bytes(8 * 2**30) == "8 GiB"
+    assert format_rate(460e9) == "460 GB/s"
+    assert format_flops(15.7e12) == "15.7 TFLOP/s" and format_flops(24.5e12, "int8") == "24.5 TOP/s"
+    assert format_seconds(5e-6) == "5 us"
+
+
+def test_good_file_expands_groups(tmp_path: Path) -> None:
+    target = load_target(write(tmp_path, GOOD))
+    assert [d.name for d in target.devices] == ["g_0", "g_1", "f_0"]
+    assert target.profile is False
+    assert target.device("f_0").op_overhead == 0.0
+    assert target.source == str((tmp_path / "cluster.toml").resolve())
+
+
+BAD = [
+    # (replace this, with this, expected message after the file name)
+    ('count = 2\n', 'count = 2\ncolour = "red"\n', r"devices\[0\]\.colour: unknown key; use name, kind"),
+    ('description = "one gpu group and one fpga group"\n', 'description = "x"\nversion = 2\n', r": version: unknown key"),
+    ('memory = "8 GiB"\n', "", r"devices\[1\]\.memory: missing; add e.g. memory = \"16 GiB\""),
+    ('memory = "16 GiB"', 'memory = "16 GiBs"', r"devices\[0\]\.memory: bad unit 'GiBs'; use B, KB, MB, GB, KiB, MiB or GiB"),
+    ('memory = "16 GiB"', 'memory = "16 parsecs"', r"devices\[0\]\.memory: bad unit 'parsecs'"),
+    ('memory_bandwidth = "400 GB/s"', 'memory_bandwidth = "-400 GB/s"', r"devices\[1\]\.memory_bandwidth: must be positive"),
+    ('latency = "30 us"', 'latency = "-1 us"', r"links\[1\]\.latency: must be zero or more"),
+    ("count = 2", "count = 0", r"devices\[0\]\.count: expected a positive whole number, got 0"),
+    ('kind = "fpga"', 'kind = "tpu"', r"devices\[1\]\.kind: unknown kind 'tpu'; use gpu, fpga, cpu"),
+    ("efficiency = { matmul = 0.5, default = 1.0 }", "efficiency = { matmul = 1.5, default = 1.0 }", r"devices\[0\]\.efficiency\.matmul: efficiency must be a number in \(0, 1\], got 1\.5"),
+    ("efficiency = { default = 0.25 }", "efficiency = { default = 0 }", r"devices\[1\]\.efficiency\.default: efficiency must be a number in \(0, 1\]"),
+    ("efficiency = { default = 0.25 }", "efficiency = { attention = 0.5, default = 0.25 }", r"devices\[1\]\.efficiency\.attention: unknown op class; use default, matmul"),
+    ('peak_flops = { float32 = "1 TFLOP/s" }', 'peak_flops = { float32 = "1 TFLOP/s", fp8 = "4 TFLOP/s" }', r"devices\[1\]\.peak_flops\.fp8: unknown dtype; use float32, float16"),
+    ('peak_flops = { float32 = "1 TFLOP/s" }', 'peak_flops = { float16 = "1 TFLOP/s" }', r"devices\[1\]\.peak_flops\.float32: missing"),
+    ('op_overhead = "5 us"', 'op_overhead = "5 us"\nthreads = 2', r"devices\[0\]\.threads: only cpu devices have threads"),
+    ('topology = "pcie"', 'topology = "carrier-pigeon"', r"links\[1\]\.topology: unknown topology 'carrier-pigeon'; use switch"),
+    ('between = ["f", "g"]', 'between = ["f", "h"]', r"links\[1\]\.between: unknown device group 'h'; groups: g, f"),
+    ('between = ["f", "g"]', 'between = ["g", "g"]', r"links\[1\]: second link between g and g \(first is links\[0\]\)"),
+    ('between = ["f", "g"]', 'between = ["f", "f"]', r"no link between device groups g and f; add \[\[links\]\] with between = \[\"g\", \"f\"\]"),
+    ('name = "f"', 'name = "g"', r"devices\[1\]\.name: group 'g' appears twice"),
+    ("count = 2", "count = 2.5", r"devices\[0\]\.count: expected a positive whole number"),
+    ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "message"), BAD, ids=[m[:40] for _, _, m in BAD])
+def test_validation_errors(tmp_path: Path, old: str, new: str, message: str) -> None:
+    assert old in GOOD
+    path = write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(OnnxpipeError) as info:
+        load_target(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and "\n" not in text
+    assert re.search(message, text), text
+
+
+def test_cpu_devices_need_threads(tmp_path: Path) -> None:
+    text = GOOD.replace('kind = "fpga"', 'kind = "cpu"')
+    with pytest.raises(OnnxpipeError, match=r"devices\[1\]\.threads: missing; cpu devices need it"):
+        load_target(write(tmp_path, text))
+    assert load_target(write(tmp_path, text.replace("op_overhead = 0", "op_overhead = 0\nthreads = 1"))).device("f_0").threads == 1
+
+
+def test_unknown_name_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(OnnxpipeError, match=r"unknown target 'tpu8'; bundled targets: fpga4, gpu4, hetero, cpu2, cpu4; or pass the path of a .toml"):
+        load_target("tpu8")
+    with pytest.raises(OnnxpipeError, match="no such target file"):
+        load_target(str(tmp_path / "absent.toml"))
+
+
+def test_node_seconds_roofline(tmp_path: Path) -> None:
+    target = load_target(write(tmp_path, GOOD))
+    # compute-bound matmul on g: 1e12 FLOP / (10 TFLOP/s * 0.5) = 0.2 s; bytes 1e9 / 1 TB/s = 1 ms
+    assert target.node_seconds("g_0", cost(1e12, 1e9)) == pytest.approx(0.2 + 5e-6)
+    # float16 peak used when asked; efficiency default 1.0 for an unlisted class
+    assert target.node_seconds("g_0", cost(1e12, 1e9), dtype="float16") == pytest.approx(1e12 / 20e12 + 5e-6)
+    assert target.node_seconds("g_0", cost(1e12, 1e9, op_class="conv")) == pytest.approx(0.1 + 5e-6)
+    # dtype without a peak falls back to float32
+    assert target.node_seconds("g_0", cost(1e12, 1e9), dtype="int8") == pytest.approx(0.2 + 5e-6)
+    # memory-bound elementwise: 1e6 FLOP is nothing next to 4e9 bytes / 1 TB/s = 4 ms
+    assert target.node_seconds("g_0", cost(1e6, 4e9, op_class="elementwise")) == pytest.approx(4e-3 + 5e-6)
+    # backward uses backward flops/bytes; fpga efficiency default 0.25: 2e12 / (1e12 * 0.25) = 8 s
+    assert target.node_seconds("f_0", cost(1e12, 1e9), backward=True) == pytest.approx(8.0)
+    # measured times are ignored on accelerators, win on cpu
+    assert target.node_seconds("g_0", cost(1e12, 1e9, measured=0.5)) == pytest.approx(0.2 + 5e-6)
+    cpu = load_target("cpu2")
+    assert cpu.node_seconds("cpu_0", cost(1e12, 1e9, measured=0.5)) == 0.5
+    assert cpu.node_seconds("cpu_0", cost(1e12, 1e9, measured=0.5), backward=True) == 1.0
+    d = cpu.device("cpu_0")
+    assert cpu.node_seconds("cpu_0", cost(1e12, 1e9)) == pytest.approx(1e12 / (d.peak_flops["float32"] * d.efficiency["matmul"]) + d.op_overhead)
+
+
+def test_transfer_and_allreduce(tmp_path: Path) -> None:
+    target = load_target(write(tmp_path, GOOD))
+    assert target.transfer_seconds("g_0", "g_1", 50e6) == pytest.approx(10e-6 + 1e-3)
+    assert target.transfer_seconds("g_1", "f_0", 10e6) == pytest.approx(30e-6 + 1e-3)
+    assert target.transfer_seconds("f_0", "g_0", 10e6) == pytest.approx(30e-6 + 1e-3)
+    assert target.transfer_seconds("g_0", "g_0", 1e9) == 0.0
+    # ring over the two gpus: 2*(n-1) steps of latency + (bytes/n)/bandwidth
+    assert target.allreduce_seconds(("g_0", "g_1"), 100e6) == pytest.approx(2 * (10e-6 + 50e6 / 50e9))
+    # the slowest link of the ring sets the pace
+    assert target.allreduce_seconds(("g_0", "g_1", "f_0"), 30e6) == pytest.approx(4 * (30e-6 + 10e6 / 10e9))
+    assert target.allreduce_seconds(("g_0",), 1e9) == 0.0
+
+
+def test_heterogeneous_link_lookup() -> None:
+    target = load_target("hetero")
+    assert target.link("v100_0", "v100_1").topology == "nvlink"
+    assert target.link("u280_0", "u280_1").bandwidth == 12e9
+    cross = target.link("u280_1", "v100_0")
+    assert cross is target.link("v100_0", "u280_1")
+    assert cross.bandwidth == 10e9 and cross.latency == pytest.approx(30e-6)
+    assert target.transfer_seconds("v100_0", "v100_1", 1e9) < target.transfer_seconds("v100_0", "u280_0", 1e9)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}  # keep rich from wrapping the lines asserted on
+    return subprocess.run([sys.executable, "-m", "onnxpipe", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_cli_lists_and_shows_targets(tmp_path: Path) -> None:
+    listed = cli("targets")
+    assert listed.returncode == 0, listed.stderr
+    for line in ("fpga4", "4x u280 (fpga)", "hetero", "2x v100 (gpu) + 2x u280", "cpu4", "32 GiB"):
+        assert line in listed.stdout
+    shown = cli("targets", "show", "fpga4")
+    assert shown.returncode == 0, shown.stderr
+    for line in ("u280_0..3", "8 GiB", "460 GB/s", "1.08 TFLOP/s", "24.5 TOP/s", "u280 <-> u280", "12 GB/s", "10 us", "pcie"):
+        assert line in shown.stdout
+    bad = cli("targets", "show", "tpu8")
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "unknown target 'tpu8'" in bad.stderr
+    broken = cli("targets", "show", write(tmp_path, GOOD.replace('memory = "16 GiB"', 'memory = "16 GiBs"')))
+    assert broken.returncode == 2 and "devices[0].memory: bad unit 'GiBs'" in broken.stderr and "Traceback" not in broken.stderr
