@@ -50,6 +50,14 @@ class Stage:
     parameters: tuple[str, ...]
     #: Activation policy chosen by the plan: recompute in backward instead of stashing.
     recompute: bool
+    #: Compute nodes placed in the stage (constant chains copied in are not counted).
+    nodes: int = 0
+    #: Bytes of the stage's trainable initializers.
+    parameter_bytes: int = 0
+    #: Bytes of the stage file plus its external-data file, if any.
+    file_bytes: int = 0
+    #: External-data file beside the stage file (models over 2 GB), else None.
+    data_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,10 @@ class Manifest:
                     outputs=tuple(out(o) for o in s["outputs"]),
                     parameters=tuple(s["parameters"]),
                     recompute=bool(s["recompute"]),
+                    nodes=int(s.get("nodes", 0)),
+                    parameter_bytes=int(s.get("parameter_bytes", 0)),
+                    file_bytes=int(s.get("file_bytes", 0)),
+                    data_file=s.get("data_file"),
                 )
                 for s in data["stages"]
             )

@@ -1,0 +1,412 @@
+"""Plan -> stage directory: one standalone ONNX model per stage plus the manifest that chains them.
+
+Reading order: `split` (public entry) -> `_ensure_plan_fits` -> `_layout` (which tensors cross
+which cut) -> `_stage_model` (build one stage's ModelProto from its nodes and initializers only)
+-> `_write_stage` -> `_publish` (temp dir renamed into place); `cut_stages` turns hand-given cut
+tensors into node groups; `annotate_stages` writes the model with each node tagged by its stage.
+
+Memory: the whole model is never copied; each stage's nodes and initializers are copied one at a
+time into a fresh ModelProto that is serialized, checked, written and dropped before the next.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import Graph
+from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
+from onnxpipe.plan.result import Plan
+
+__all__ = ["split", "cut_stages", "annotate_stages", "STAGE_METADATA_KEY", "MAX_IR_VERSION"]
+
+#: Node metadata key holding the stage index in annotated models.
+STAGE_METADATA_KEY = "onnxpipe.stage"
+#: Highest IR version onnxruntime-training 1.19.2 loads.
+MAX_IR_VERSION = 10
+#: Protobuf refuses files over 2 GiB; models above this write each stage's weights to a side file.
+_EXTERNAL_DATA_BYTES = 2**31 - 2**26
+
+
+@dataclass(frozen=True)
+class _StageLayout:
+    """What one stage holds and exchanges, before any proto is built."""
+
+    nodes: tuple[str, ...]
+    #: Constant-chain nodes copied in, in topological order.
+    constant_nodes: tuple[str, ...]
+    initializers: tuple[str, ...]
+    #: (tensor, source): source is "model" or the producing stage.
+    inputs: tuple[tuple[str, str | int], ...]
+    #: (tensor, consumers).
+    outputs: tuple[tuple[str, tuple[str | int, ...]], ...]
+
+
+def split(graph: Graph, plan: Plan, out_dir: str | os.PathLike, *, force: bool = False,
+          annotated_path: str | os.PathLike | None = None) -> Manifest:
+    """Write `out_dir/stage_<i>.onnx`, `manifest.json` and `plan.json`; all or nothing."""
+    assignment = _ensure_plan_fits(graph, plan)
+    layouts = _layout(graph, plan, assignment)
+    target = Path(out_dir)
+    _ensure_destination(target, force)
+    external = sum(graph.tensors[name].nbytes for name in graph.initializers) > _EXTERNAL_DATA_BYTES
+    originals = _originals(graph)
+    tmp = _temp_dir(target)
+    try:
+        stages = tuple(
+            _write_stage(graph, plan, i, layout, originals, tmp, external) for i, layout in enumerate(layouts)
+        )
+        manifest = _manifest(graph, plan, stages, layouts)
+        manifest.write(tmp)
+        plan.save(tmp / "plan.json")
+        _publish(tmp, target, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if annotated_path is not None:
+        annotate_stages(graph, plan, annotated_path)
+    return manifest
+
+
+def _ensure_plan_fits(graph: Graph, plan: Plan) -> dict[str, int]:
+    if plan.fingerprint != graph.fingerprint:
+        raise OnnxpipeError(f"the plan was made for another model (fingerprint {plan.fingerprint}, this model's is {graph.fingerprint}); re-plan this model")
+    compute = set(graph.compute_nodes)
+    assignment: dict[str, int] = {}
+    for stage in plan.stages:
+        if not stage.nodes:
+            raise OnnxpipeError(f"plan stage {stage.index} has no nodes; re-plan with fewer stages")
+        for name in stage.nodes:
+            if name not in compute:
+                raise OnnxpipeError(f"plan stage {stage.index} lists node '{name}', which is not a compute node of this model; re-plan this model")
+            if name in assignment:
+                raise OnnxpipeError(f"plan places node '{name}' in stages {assignment[name]} and {stage.index}; re-plan this model")
+            assignment[name] = stage.index
+    left_out = [n for n in graph.compute_nodes if n not in assignment]
+    if left_out:
+        raise OnnxpipeError(f"plan leaves {len(left_out)} nodes out (first: '{left_out[0]}'); re-plan this model")
+    if [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        raise OnnxpipeError("plan stages are not numbered 0..k-1 in order; regenerate the plan")
+    for name in graph.compute_nodes:
+        for tensor in graph.node_inputs(name):
+            producer = graph.producer(tensor)
+            if producer in assignment and assignment[producer] > assignment[name]:
+                raise OnnxpipeError(
+                    f"node '{name}' (stage {assignment[name]}) reads '{tensor}' from a later stage ({assignment[producer]}); "
+                    "stages must follow the data flow, re-plan"
+                )
+    return assignment
+
+
+def _layout(graph: Graph, plan: Plan, assignment: dict[str, int]) -> list[_StageLayout]:
+    """Per stage: nodes, copied constant chains and initializers, and the tensors crossing each cut."""
+    k = len(plan.stages)
+    order_index = {name: i for i, name in enumerate(graph.order)}
+    model_outputs = set(graph.outputs)
+    consumers: dict[str, set[str | int]] = {}
+    reads: list[dict[str, None]] = [{} for _ in range(k)]  # ordered sets
+    for name in graph.compute_nodes:
+        reads[assignment[name]].update(dict.fromkeys(graph.node_inputs(name)))
+    # Outputs that are constants have no compute producer: the last stage computes them.
+    constant_outputs = [o for o in graph.outputs if o in graph.constants]
+    reads[k - 1].update(dict.fromkeys(constant_outputs))
+
+    closure: dict[str, tuple[set[str], set[str]]] = {}
+    layouts = []
+    for s in range(k):
+        const_nodes: set[str] = set()
+        inits: set[str] = set()
+        inputs: list[tuple[str, str | int]] = []
+        for tensor in reads[s]:
+            producer = graph.producer(tensor)
+            if tensor in graph.constants:
+                nodes, weights = _constant_closure(graph, tensor, closure)
+                const_nodes |= nodes
+                inits |= weights
+            elif producer is None:
+                inputs.append((tensor, "model"))
+            elif assignment[producer] != s:
+                inputs.append((tensor, assignment[producer]))
+                consumers.setdefault(tensor, set()).add(s)
+        layouts.append((s, const_nodes, inits, inputs))
+
+    result = []
+    for s, const_nodes, inits, inputs in layouts:
+        nodes = tuple(n for n in graph.compute_nodes if assignment[n] == s)
+        produced = [o for n in nodes for o in graph.node(n).output if o]
+        if s == k - 1:
+            produced += [o for o in constant_outputs if o not in produced]
+        outputs = []
+        for tensor in produced:
+            users: list[str | int] = sorted(consumers.get(tensor, ()))  # type: ignore[arg-type]
+            if tensor in model_outputs:
+                users.append("model")
+            if users:
+                outputs.append((tensor, tuple(users)))
+        if not outputs and produced:
+            outputs.append((produced[-1], ()))  # a stage must output something, even a dead end
+        result.append(_StageLayout(
+            nodes=nodes,
+            constant_nodes=tuple(sorted(const_nodes, key=order_index.__getitem__)),
+            initializers=tuple(sorted(inits)),
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+        ))
+    return result
+
+
+def _constant_closure(graph: Graph, tensor: str, memo: dict[str, tuple[set[str], set[str]]]) -> tuple[set[str], set[str]]:
+    """The constant-chain nodes and initializers needed to compute a constant tensor."""
+    if tensor in memo:
+        return memo[tensor]
+    producer = graph.producer(tensor)
+    if producer is None:
+        found: tuple[set[str], set[str]] = (set(), {tensor} if tensor in graph.initializers else set())
+    else:
+        nodes, inits = {producer}, set()
+        for t in graph.node_inputs(producer):
+            more_nodes, more_inits = _constant_closure(graph, t, memo)
+            nodes |= more_nodes
+            inits |= more_inits
+        found = (nodes, inits)
+    for out in graph.node(producer).output if producer else (tensor,):
+        if out:
+            memo[out] = found
+    return found
+
+
+def _ensure_destination(target: Path, force: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise OnnxpipeError(f"{target}: exists and is not a directory; choose another -o")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise OnnxpipeError(f"{target}: exists and is not empty; pass --force to replace it or choose another -o")
+
+
+def _temp_dir(target: Path) -> Path:
+    """A fresh directory beside the destination, so the final rename stays on one file system."""
+    parent = target.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
+    except OSError as exc:
+        raise OnnxpipeError(f"{parent}: cannot write there ({exc.strerror}); choose a writable -o") from exc
+
+
+def _publish(tmp: Path, target: Path, force: bool) -> None:
+    """Rename the finished directory into place; an old one (with force) is renamed away first and
+    deleted only once the new one is in."""
+    old = None
+    if target.is_dir():
+        if any(target.iterdir()) and not force:
+            raise OnnxpipeError(f"{target}: exists and is not empty; pass --force to replace it or choose another -o")
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.absolute().parent))
+        os.replace(target, old / "dir")
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if old is not None:
+            os.replace(old / "dir", target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _value_info(graph: Graph, name: str, originals: dict[str, onnx.ValueInfoProto]) -> onnx.ValueInfoProto:
+    """A boundary tensor's ValueInfo with the graph's static shape (or the model's own type for
+    non-tensor values such as sequences)."""
+    info = graph.tensors.get(name)
+    if info is not None:
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)), list(info.shape))
+    if name in originals:
+        return originals[name]
+    raise OnnxpipeError(f"{graph.source}: tensor '{name}' crosses a stage cut but has no known type; re-export the model with shapes")
+
+
+def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict[str, onnx.ValueInfoProto]) -> onnx.ModelProto:
+    """A standalone model holding only this stage's nodes and initializers."""
+    source = graph.model
+    model = onnx.ModelProto()
+    model.ir_version = min(source.ir_version, MAX_IR_VERSION)
+    model.opset_import.extend(source.opset_import)
+    model.functions.extend(source.functions)
+    model.producer_name = "onnxpipe"
+    model.domain = source.domain
+    model.model_version = source.model_version
+    stage_graph = model.graph
+    stage_graph.name = f"{source.graph.name or 'model'}_stage{index}"
+    for name in layout.constant_nodes + layout.nodes:
+        stage_graph.node.add().CopyFrom(graph.node(name))
+    inits = _initializers_by_name(graph)
+    for name in layout.initializers:
+        stage_graph.initializer.add().CopyFrom(inits[name])
+    stage_graph.input.extend(_value_info(graph, name, originals) for name, _ in layout.inputs)
+    stage_graph.output.extend(_value_info(graph, name, originals) for name, _ in layout.outputs)
+    boundary = {name for name, _ in layout.inputs} | {name for name, _ in layout.outputs}
+    for name in layout.constant_nodes + layout.nodes:
+        for out in graph.node(name).output:
+            if out and out not in boundary and out in originals:
+                stage_graph.value_info.add().CopyFrom(originals[out])
+    return model
+
+
+def _initializers_by_name(graph: Graph) -> dict[str, onnx.TensorProto]:
+    cache = graph.__dict__.get("_initializer_cache")
+    if cache is None:
+        cache = {t.name: t for t in graph.model.graph.initializer}
+        object.__setattr__(graph, "_initializer_cache", cache)
+    return cache
+
+
+def _originals(graph: Graph) -> dict[str, onnx.ValueInfoProto]:
+    g = graph.model.graph
+    return {vi.name: vi for vi in [*g.input, *g.value_info, *g.output]}
+
+
+def _write_stage(graph: Graph, plan: Plan, index: int, layout: _StageLayout, originals: dict[str, onnx.ValueInfoProto],
+                 directory: Path, external: bool) -> Stage:
+    """Build, check and write one stage; the proto is dropped on return."""
+    model = _stage_model(graph, index, layout, originals)
+    path = directory / f"stage_{index}.onnx"
+    data_file = f"{path.name}.data" if external else None
+    try:
+        if external:
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_file, size_threshold=1024)
+            del model
+            onnx.checker.check_model(str(path), full_check=True)
+        else:
+            blob = model.SerializeToString()
+            del model
+            onnx.checker.check_model(blob, full_check=True)
+            path.write_bytes(blob)
+            del blob
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise OnnxpipeError(f"stage {index} fails onnx.checker ({first}); the model itself may not pass it, run onnx.checker on it") from exc
+    except onnx.shape_inference.InferenceError as exc:
+        first = str(exc).strip().splitlines()[0][:300]
+        raise OnnxpipeError(f"stage {index} fails shape inference ({first}); run onnx.checker with full_check on the model") from exc
+    except OSError as exc:
+        raise OnnxpipeError(f"{directory}: cannot write stage {index} ({exc.strerror}); free space or choose another -o") from exc
+    size = path.stat().st_size + ((directory / data_file).stat().st_size if data_file else 0)
+    parameters = set(graph.parameters)
+    params = tuple(n for n in layout.initializers if n in parameters)
+    stage_plan = plan.stages[index]
+    return Stage(
+        index=index,
+        file=path.name,
+        devices=tuple(stage_plan.devices),
+        inputs=tuple(_stage_input(graph, name, src) for name, src in layout.inputs),
+        outputs=tuple(_stage_output(graph, name, users) for name, users in layout.outputs),
+        parameters=params,
+        recompute=stage_plan.recompute,
+        nodes=len(layout.nodes),
+        parameter_bytes=sum(graph.tensors[n].nbytes for n in params),
+        file_bytes=size,
+        data_file=data_file,
+    )
+
+
+def _tensor_type(graph: Graph, name: str) -> tuple[str, tuple[int, ...]]:
+    info = graph.tensors.get(name)
+    return (info.dtype, tuple(info.shape)) if info is not None else ("unknown", ())
+
+
+def _stage_input(graph: Graph, name: str, source: str | int) -> StageInput:
+    dtype, shape = _tensor_type(graph, name)
+    return StageInput(name, dtype, shape, source)
+
+
+def _stage_output(graph: Graph, name: str, consumers: Iterable[str | int]) -> StageOutput:
+    dtype, shape = _tensor_type(graph, name)
+    return StageOutput(name, dtype, shape, tuple(consumers))
+
+
+def _manifest(graph: Graph, plan: Plan, stages: tuple[Stage, ...], layouts: Sequence[_StageLayout]) -> Manifest:
+    parameters = set(graph.parameters)
+    holders: dict[str, list[int]] = {}
+    for i, layout in enumerate(layouts):
+        for name in layout.initializers:
+            if name in parameters:
+                holders.setdefault(name, []).append(i)
+    shared = tuple(SharedInitializer(name, tuple(where)) for name, where in sorted(holders.items()) if len(where) > 1)
+    return Manifest(
+        model=graph.source,
+        target=plan.target,
+        inputs=tuple(_stage_input(graph, name, "model") for name in graph.inputs),
+        outputs=tuple(_stage_output(graph, name, ("model",)) for name in graph.outputs),
+        stages=stages,
+        shared=shared,
+        loss=_loss_output(graph),
+    )
+
+
+def _loss_output(graph: Graph) -> str | None:
+    """The first output when it is a float scalar (a training model's loss), else None."""
+    if not graph.outputs:
+        return None
+    info = graph.tensors.get(graph.outputs[0])
+    if info is None or not np.issubdtype(np.dtype(info.dtype), np.floating):
+        return None
+    scalar = info.shape == ()
+    named = "loss" in info.name.lower() and int(np.prod(info.shape)) == 1
+    return info.name if scalar or named else None
+
+
+def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+    """Node groups for hand-given cut tensors: stage i ends with the producer of `cuts[i]` (all compute
+    nodes up to it in topological order not in earlier stages); the last stage takes the rest."""
+    compute = graph.compute_nodes
+    position = {name: i for i, name in enumerate(compute)}
+    ends = []
+    for tensor in cuts:
+        if tensor not in graph.tensors and graph.producer(tensor) is None:
+            raise OnnxpipeError(f"--cuts: no tensor '{tensor}' in the model; name node outputs (see `onnxpipe inspect`)")
+        producer = graph.producer(tensor)
+        if producer is None or producer not in position:
+            raise OnnxpipeError(f"--cuts: tensor '{tensor}' is a model input or a constant; cut at a computed tensor")
+        end = position[producer]
+        if ends and end <= ends[-1]:
+            raise OnnxpipeError(f"--cuts: tensor '{tensor}' is produced before (or with) the previous cut; list cuts in data-flow order")
+        ends.append(end)
+    if ends and ends[-1] >= len(compute) - 1:
+        raise OnnxpipeError(f"--cuts: tensor '{cuts[-1]}' is produced by the last node, leaving the last stage empty; drop it")
+    bounds = [0, *(e + 1 for e in ends), len(compute)]
+    return tuple(compute[a:b] for a, b in zip(bounds, bounds[1:]))
+
+
+def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
+    """Write a copy of the model whose nodes carry `onnxpipe.stage` metadata (constant-chain nodes:
+    every stage that copies them), so a viewer such as Netron shows the cut."""
+    assignment = {name: str(stage.index) for stage in plan.stages for name in stage.nodes}
+    layouts = _layout(graph, plan, {n: int(s) for n, s in assignment.items()})
+    for i, layout in enumerate(layouts):
+        for name in layout.constant_nodes:
+            assignment[name] = f"{assignment[name]},{i}" if name in assignment else str(i)
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    for node in model.graph.node:
+        if node.name in assignment:
+            entry = next((p for p in node.metadata_props if p.key == STAGE_METADATA_KEY), None) or node.metadata_props.add()
+            entry.key, entry.value = STAGE_METADATA_KEY, assignment[node.name]
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        if model.ByteSize() > _EXTERNAL_DATA_BYTES:
+            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=f"{target.name}.data", size_threshold=1024)
+        else:
+            onnx.save_model(model, str(tmp))
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OnnxpipeError(f"{target}: cannot write the annotated model ({exc.strerror}); choose another --annotated path") from exc
