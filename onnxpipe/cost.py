@@ -1,11 +1,53 @@
-"""Per-node cost annotation: analytic FLOPs and bytes per op class, or measured times from onnxruntime."""
+"""Per-node cost annotation: analytic FLOPs and bytes per op class, or measured times from onnxruntime.
+
+Reading order: `NodeCost`, `Costs` -> `annotate` -> `_first_readers` (parameter ownership) ->
+`_node_cost` (bytes and the backward rule) -> `_control_flow` (If/Loop/Scan bodies) ->
+`summarize` -> `write_annotated` / `read_annotated` (annotated ONNX) -> `write_summary`.
+Forward FLOP formulas live in `cost_formulas`, measured times in `cost_profile`.
+
+Bytes: a node reads its non-constant inputs plus the float constants it uses (weights are read
+by every reader, shape and index tables are free) and writes its outputs; its activation bytes
+are its outputs. `param_bytes` goes to the first compute node (topological order) that reads a
+float initializer, directly or through a constant chain, so tied weights count once.
+
+Backward rule per op class (dY = bytes written, read = bytes read):
+
+| class                  | backward FLOPs                                    | backward bytes     |
+|------------------------|---------------------------------------------------|--------------------|
+| matmul, conv, rnn      | 2 x forward (grad wrt input and wrt weight)       | dY + 2 x read      |
+| norm (and Softmax)     | 2 x forward (mean/variance terms of the gradient) | dY + 2 x read      |
+| elementwise, pool, reduce | 1 x forward                                    | dY + 2 x read      |
+| data                   | 0 (the gradient is moved, not computed)           | dY + read          |
+| other (no formula)     | 0                                                 | dY + 2 x read      |
+| If / Loop / Scan       | body's backward x trip count                      | body's x trips + own |
+
+Control flow: a Loop costs its body times the trip count when that count is a constant (else
+once, and "Loop" is listed in `unknown_ops`); a Scan its body times the scanned axis length;
+an If its costlier branch (only one runs).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
-__all__ = ["OP_CLASSES", "NodeCost", "Costs"]
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, MissingShape, forward_flops, op_class
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
+
+__all__ = [
+    "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "summarize",
+    "write_annotated", "read_annotated", "write_summary",
+]
 
 #: Op classes; a target gives each its own efficiency.
 OP_CLASSES = ("matmul", "conv", "rnn", "norm", "pool", "reduce", "elementwise", "data", "other")
@@ -46,3 +88,369 @@ class Costs:
     unknown_ops: tuple[str, ...]
     #: True when measured times are present.
     profiled: bool
+
+
+_BACKWARD_FACTOR = {"matmul": 2.0, "conv": 2.0, "rnn": 2.0, "norm": 2.0, "elementwise": 1.0, "pool": 1.0, "reduce": 1.0, "data": 0.0, "other": 0.0}
+
+
+def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int = 2) -> Costs:
+    """Cost every compute node; with `profile`, add median times measured in onnxruntime (CPU, one thread)."""
+    owners = _first_readers(graph)
+    nodes: dict[str, NodeCost] = {}
+    unknown: set[str] = set()
+    for name in graph.compute_nodes:
+        cost, missing = _node_cost(graph.node(name), graph.node_inputs(name), graph, graph.constants, owners.get(name, 0))
+        nodes[name] = cost
+        unknown |= missing
+    costs = Costs(nodes=nodes, unknown_ops=tuple(sorted(unknown)), profiled=False)
+    return _with_measurements(graph, costs, runs, warmup) if profile else costs
+
+
+def _with_measurements(graph: Graph, costs: Costs, runs: int, warmup: int) -> Costs:
+    from onnxpipe.cost_profile import profile_times
+
+    forward, backward = profile_times(graph, runs=runs, warmup=warmup)
+    nodes = {}
+    for name, cost in costs.nodes.items():
+        fwd = forward.get(name)
+        bwd = backward.get(name)
+        if bwd is None and fwd is not None:
+            bwd = fwd * ((cost.backward_flops / cost.flops if cost.flops else 0.0) or 1.0)
+        nodes[name] = replace(cost, measured_seconds=fwd, measured_backward_seconds=bwd)
+    return replace(costs, nodes=nodes, profiled=True)
+
+
+def _is_float(graph: Graph, tensor: str) -> bool:
+    info = graph.tensors.get(tensor)
+    return info is not None and np.issubdtype(np.dtype(info.dtype), np.floating)
+
+
+def _first_readers(graph: Graph) -> dict[str, float]:
+    """Parameter bytes per compute node: each float initializer, reached directly or through
+    constant-only nodes (a folded Transpose of a weight), belongs to its first compute reader."""
+    origins: dict[str, frozenset[str]] = {p: frozenset({p}) for p in graph.parameters}
+    for name in graph.order:
+        if name in graph.constant_nodes:
+            source = frozenset().union(*(origins.get(t, frozenset()) for t in graph.node_inputs(name)))
+            origins.update((o, source) for o in graph.node(name).output if o)
+    claimed: set[str] = set()
+    owned: dict[str, float] = {}
+    for name in graph.compute_nodes:
+        mine = set().union(*(origins.get(t, frozenset()) for t in graph.node_inputs(name))) - claimed
+        claimed |= mine
+        owned[name] = float(sum(graph.tensors[p].nbytes for p in mine))
+    return owned
+
+
+def _nbytes(graph: Graph, tensor: str) -> int:
+    info = graph.tensors.get(tensor)
+    return info.nbytes if info is not None else 0
+
+
+def _shape_of(graph: Graph):  # noqa: ANN202 - a ShapeOf closure
+    def shape(name: str) -> tuple[int, ...]:
+        info = graph.tensors.get(name)
+        if info is None:
+            raise MissingShape(name)
+        return info.shape
+
+    return shape
+
+
+def _node_cost(node: onnx.NodeProto, reads: Iterable[str], graph: Graph, constants: frozenset[str], param_bytes: float) -> tuple[NodeCost, set[str]]:
+    """One node's cost in the scope of `graph` (the model or a control-flow body) and the op types it could not cost."""
+    read = float(sum(_nbytes(graph, t) for t in reads if t not in constants or _is_float(graph, t)))
+    written = float(sum(_nbytes(graph, o) for o in node.output if o))
+    if node.op_type in CONTROL_FLOW_OPS and node.domain in ("", "ai.onnx"):
+        return _control_flow(node, graph, constants, read, written, param_bytes)
+    klass = op_class(node.op_type)
+    try:
+        flops = forward_flops(node, _shape_of(graph))
+    except (MissingShape, KeyError, IndexError, ValueError):  # a formula that cannot apply is no formula
+        flops = None
+    known = flops is not None
+    cost = NodeCost(
+        op_type=node.op_type,
+        op_class=klass,
+        flops=flops or 0.0,
+        bytes_read=read,
+        bytes_written=written,
+        param_bytes=param_bytes,
+        activation_bytes=written,
+        backward_flops=_BACKWARD_FACTOR[klass] * (flops or 0.0),
+        backward_bytes=written + (1 if klass == "data" else 2) * read,
+        known=known,
+    )
+    return cost, set() if known else {node.op_type}
+
+
+def _control_flow(node: onnx.NodeProto, graph: Graph, constants: frozenset[str], read: float, written: float, param_bytes: float) -> tuple[NodeCost, set[str]]:
+    bodies = [helper.get_attribute_value(a) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+    totals = [_body_total(node, body, graph, constants) for body in bodies]
+    unknown = set().union(*(missing for _, missing in totals))
+    if node.op_type == "If":
+        body, known = max(((t, k) for (t, k), _ in totals), key=lambda tk: tk[0]["flops"], default=(_ZERO, True))
+    else:
+        body = {key: sum(t[key] for (t, _), _ in totals) for key in _ZERO}
+        known = all(k for (_, k), _ in totals)
+    trips = _trip_count(node, graph)
+    if trips is None:
+        known = False
+        unknown.add(node.op_type)
+    n = trips if trips is not None else 1
+    cost = NodeCost(
+        op_type=node.op_type,
+        op_class="other",
+        flops=n * body["flops"],
+        bytes_read=read + n * body["bytes_read"],
+        bytes_written=written + n * body["bytes_written"],
+        param_bytes=param_bytes,
+        activation_bytes=written + n * body["activation_bytes"],
+        backward_flops=n * body["backward_flops"],
+        backward_bytes=written + 2 * read + n * body["backward_bytes"],
+        known=known,
+    )
+    return cost, unknown
+
+
+_ZERO = dict.fromkeys(("flops", "bytes_read", "bytes_written", "activation_bytes", "backward_flops", "backward_bytes"), 0.0)
+
+
+def _body_total(node: onnx.NodeProto, body: onnx.GraphProto, graph: Graph, constants: frozenset[str]) -> tuple[tuple[dict[str, float], bool], set[str]]:
+    """Summed costs of a body's nodes, shapes inferred from the outer values it is run on."""
+    inner = _body_graph(node, body, graph)
+    if inner is None:
+        return (dict(_ZERO), False), {node.op_type}
+    scope = constants | inner.constants
+    total, known, unknown = dict(_ZERO), True, set()
+    for name in inner.order:
+        cost, missing = _node_cost(inner.node(name), inner.node_inputs(name), inner, scope, 0.0)
+        for key in total:
+            total[key] += getattr(cost, key)
+        known &= cost.known
+        unknown |= missing
+    return (total, known), unknown
+
+
+def _body_graph(node: onnx.NodeProto, body: onnx.GraphProto, graph: Graph) -> Graph | None:
+    """The body as a standalone Graph whose inputs carry the shapes of what the node feeds it."""
+    fed = _body_feeds(node, body, graph)
+    defined = {i.name for i in body.input} | {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
+    inputs = []
+    for formal in body.input:
+        info = fed.get(formal.name)
+        inputs.append(_value_info(formal.name, info.dtype, info.shape) if info else formal)
+    for name in subgraph_captures(node):
+        info = graph.tensors.get(name)
+        if name not in defined and info is not None:
+            inputs.append(_value_info(name, info.dtype, info.shape))
+    outputs = [helper.make_empty_tensor_value_info(o.name) for o in body.output]
+    probe = helper.make_model(
+        helper.make_graph(list(body.node), body.name or "body", inputs, outputs, list(body.initializer)),
+        opset_imports=list(graph.model.opset_import),
+    )
+    probe.ir_version = min(graph.model.ir_version, 10) or 10
+    try:
+        return load(probe)
+    except OnnxpipeError:
+        return None
+
+
+def _value_info(name: str, dtype: str, shape: tuple[int, ...]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape)
+
+
+def _body_feeds(node: onnx.NodeProto, body: onnx.GraphProto, graph: Graph) -> dict[str, TensorInfo]:
+    """Formal body input name -> the dtype and shape the node passes it."""
+    formal = [i.name for i in body.input]
+    actual = list(node.input)
+    fed: dict[str, TensorInfo] = {}
+    if node.op_type == "Loop" and len(formal) >= 2:
+        fed[formal[0]] = TensorInfo(formal[0], "int64", ())
+        fed[formal[1]] = TensorInfo(formal[1], "bool", ())
+        for f, a in zip(formal[2:], actual[2:]):
+            if a in graph.tensors:
+                fed[f] = graph.tensors[a]
+    elif node.op_type == "Scan":
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        n_scan = int(attrs.get("num_scan_inputs", 0))
+        axes = list(attrs.get("scan_input_axes", [])) or [0] * n_scan
+        n_state = len(actual) - n_scan
+        for i, (f, a) in enumerate(zip(formal, actual)):
+            info = graph.tensors.get(a)
+            if info is None:
+                continue
+            if i >= n_state:
+                axis = axes[i - n_state] % max(1, len(info.shape))
+                info = TensorInfo(f, info.dtype, info.shape[:axis] + info.shape[axis + 1:])
+            fed[f] = info
+    return fed
+
+
+def _trip_count(node: onnx.NodeProto, graph: Graph) -> int | None:
+    """Iterations of a Loop (constant max trip count) or Scan (scanned axis length); 1 for If; None when unknown."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Loop":
+        bound = node.input[0] if node.input else ""
+        tensor = _initializer(graph, bound) if bound else None
+        return int(numpy_helper.to_array(tensor).reshape(-1)[0]) if tensor is not None else None
+    if node.op_type == "Scan":
+        n_scan = int(attrs.get("num_scan_inputs", 0))
+        first = graph.tensors.get(node.input[len(node.input) - n_scan]) if n_scan else None
+        if first is None or not first.shape:
+            return None
+        axis = (list(attrs.get("scan_input_axes", [])) or [0])[0] % len(first.shape)
+        return first.shape[axis]
+    return 1
+
+
+def _initializer(graph: Graph, name: str) -> onnx.TensorProto | None:
+    cache = graph.__dict__.get("_onnxpipe_initializers")
+    if cache is None:
+        cache = {t.name: t for t in graph.model.graph.initializer}
+        object.__setattr__(graph, "_onnxpipe_initializers", cache)
+    return cache.get(name)
+
+
+@dataclass(frozen=True)
+class OpTypeSummary:
+    """Costs of all nodes of one op type."""
+
+    op_type: str
+    op_class: str
+    count: int
+    flops: float
+    param_bytes: float
+    activation_bytes: float
+    #: Fraction of the model's forward FLOPs (0 when the model has none).
+    flops_share: float
+    backward_flops: float
+    #: Summed measured forward seconds, None when not profiled.
+    measured_seconds: float | None = None
+
+
+def summarize(costs: Costs) -> tuple[list[OpTypeSummary], dict[str, float]]:
+    """Rows per op type, largest FLOPs share first, and the model totals."""
+    total_flops = sum(c.flops for c in costs.nodes.values())
+    groups: dict[str, list[NodeCost]] = {}
+    for cost in costs.nodes.values():
+        groups.setdefault(cost.op_type, []).append(cost)
+    rows = [
+        OpTypeSummary(
+            op_type=op,
+            op_class=group[0].op_class,
+            count=len(group),
+            flops=sum(c.flops for c in group),
+            param_bytes=sum(c.param_bytes for c in group),
+            activation_bytes=sum(c.activation_bytes for c in group),
+            flops_share=sum(c.flops for c in group) / total_flops if total_flops else 0.0,
+            backward_flops=sum(c.backward_flops for c in group),
+            measured_seconds=sum(c.measured_seconds or 0.0 for c in group) if costs.profiled else None,
+        )
+        for op, group in groups.items()
+    ]
+    rows.sort(key=lambda r: (-r.flops, -r.activation_bytes, r.op_type))
+    nodes = costs.nodes.values()
+    totals: dict[str, float] = {
+        "nodes": len(costs.nodes),
+        "flops": total_flops,
+        "backward_flops": sum(c.backward_flops for c in nodes),
+        "params_bytes": sum(c.param_bytes for c in nodes),
+        "activation_bytes": sum(c.activation_bytes for c in nodes),
+        "bytes_read": sum(c.bytes_read for c in nodes),
+        "bytes_written": sum(c.bytes_written for c in nodes),
+    }
+    if costs.profiled:
+        totals["measured_seconds"] = sum(c.measured_seconds or 0.0 for c in nodes)
+        totals["measured_backward_seconds"] = sum(c.measured_backward_seconds or 0.0 for c in nodes)
+    return rows, totals
+
+
+_PREFIX = "onnxpipe."
+_NUMBER_FIELDS = tuple(f.name for f in fields(NodeCost) if f.name not in ("op_type", "op_class", "known"))
+
+
+def write_annotated(graph: Graph, costs: Costs, path: str | os.PathLike) -> None:
+    """Write the model with every costed node's `metadata_props` holding its cost (Netron shows them).
+    Models past protobuf's 2 GB limit keep their weights in `<file>.data` beside it."""
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    for node in model.graph.node:
+        cost = costs.nodes.get(node.name)
+        if cost is not None:
+            _set_props(node.metadata_props, _node_props(cost))
+    _set_props(model.metadata_props, {f"{_PREFIX}unknown_ops": ",".join(costs.unknown_ops), f"{_PREFIX}profiled": str(costs.profiled).lower()})
+    _save_model_atomically(model, Path(path))
+
+
+def _node_props(cost: NodeCost) -> dict[str, str]:
+    props = {f"{_PREFIX}op_class": cost.op_class, f"{_PREFIX}known": str(cost.known).lower()}
+    for key in _NUMBER_FIELDS:
+        value = getattr(cost, key)
+        if value is not None:
+            props[_PREFIX + key] = repr(float(value))
+    return props
+
+
+def _set_props(props, values: Mapping[str, str]) -> None:  # noqa: ANN001 - a protobuf repeated field
+    kept = [(p.key, p.value) for p in props if not p.key.startswith(_PREFIX)]
+    del props[:]
+    for key, value in kept + sorted(values.items()):
+        props.add(key=key, value=value)
+
+
+def read_annotated(graph: Graph) -> Costs | None:
+    """The costs stored in an annotated model, None when some compute node carries none."""
+    nodes: dict[str, NodeCost] = {}
+    for name in graph.compute_nodes:
+        node = graph.node(name)
+        props = {p.key[len(_PREFIX):]: p.value for p in node.metadata_props if p.key.startswith(_PREFIX)}
+        if "flops" not in props:
+            return None
+        try:
+            numbers = {key: float(props[key]) if key in props else None for key in _NUMBER_FIELDS}
+            nodes[name] = NodeCost(op_type=node.op_type, op_class=props["op_class"], known=props.get("known", "true") == "true", **numbers)  # type: ignore[arg-type]
+        except (KeyError, ValueError, TypeError) as exc:
+            raise OnnxpipeError(f"{graph.source}: node '{name}' has a damaged cost annotation ({exc}); re-run `onnxpipe annotate`") from exc
+    model_props = {p.key: p.value for p in graph.model.metadata_props}
+    unknown = tuple(op for op in model_props.get(f"{_PREFIX}unknown_ops", "").split(",") if op)
+    return Costs(nodes=nodes, unknown_ops=unknown, profiled=model_props.get(f"{_PREFIX}profiled") == "true")
+
+
+def _save_model_atomically(model: onnx.ModelProto, path: Path) -> None:
+    """Write into a temp dir beside `path`, then move the weights file (if any) and the model into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        data_name = path.name + ".data"
+        large = model.ByteSize() >= 2**31 - 2**20
+        if large:
+            onnx.save_model(model, str(tmp / path.name), save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
+            os.replace(tmp / data_name, path.parent / data_name)
+        else:
+            onnx.save_model(model, str(tmp / path.name))
+        os.replace(tmp / path.name, path)
+    except OSError as exc:
+        raise OnnxpipeError(f"{path}: cannot write the annotated model ({exc.strerror}); choose a writable -o path") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_summary(costs: Costs, path: str | os.PathLike) -> None:
+    """The JSON summary: totals, rows per op type, unknown op types and every node's cost; written atomically."""
+    rows, totals = summarize(costs)
+    data = {
+        "totals": totals,
+        "op_types": [asdict(r) for r in rows],
+        "unknown_ops": list(costs.unknown_ops),
+        "profiled": costs.profiled,
+        "nodes": {name: asdict(c) for name, c in costs.nodes.items()},
+    }
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OnnxpipeError(f"{path}: cannot write the cost summary ({exc.strerror}); choose a writable --json path") from exc

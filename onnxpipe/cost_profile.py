@@ -1,0 +1,183 @@
+"""Measured node times: the model (and its gradient graph) profiled in onnxruntime on one CPU thread.
+
+Reading order: `profile_times` -> `_feeds` -> `_profile` (session + JSON trace -> median per node)
+-> `_training_model` (loss + GradientGraphBuilder) -> `_backward_by_forward`.
+
+Graph optimizations are off so trace events keep the model's own node names; onnxruntime 1.19
+names gradient nodes `<forward node>_Grad/<op>_<i>`, which maps them back to forward nodes.
+Trace durations are whole microseconds: a kernel faster than that counts as half a microsecond.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import statistics
+import tempfile
+from bisect import bisect_right
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import Graph
+
+__all__ = ["profile_times"]
+
+_RESOLUTION_FLOOR = 0.5e-6
+_GRAD_MARK = "_Grad/"
+_LOSS = "onnxpipe.profile_loss"
+_TWO_GB = 2**31
+
+
+def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2) -> tuple[dict[str, float], dict[str, float]]:
+    """Median forward seconds per compute node, and median backward seconds per forward node that
+    has gradient nodes (empty when no gradient graph can be built)."""
+    if runs < 1 or warmup < 0:
+        raise OnnxpipeError(f"profile runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    model.ir_version = min(model.ir_version, 10)
+    feeds = _feeds(graph)
+    with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
+        forward = _profile(model, feeds, tmp, "forward", runs, warmup)
+        training = _training_model(graph, model)
+        backward = _backward_by_forward(_profile(training, feeds, tmp, "backward", runs, warmup)) if training else {}
+    compute = set(graph.compute_nodes)
+    return {n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute}
+
+
+def _feeds(graph: Graph) -> dict[str, np.ndarray]:
+    """Random normal floats; zeros for everything else (always a valid index, length or flag)."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for name in graph.inputs:
+        info = graph.tensors[name]
+        dtype = np.dtype(info.dtype)
+        if np.issubdtype(dtype, np.floating):
+            feeds[name] = rng.standard_normal(info.shape).astype(dtype)
+        else:
+            feeds[name] = np.zeros(info.shape, dtype=dtype)
+    return feeds
+
+
+def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, tag: str, runs: int, warmup: int) -> dict[str, float]:
+    """Node name -> median over the measured runs of its summed kernel time in each run."""
+    import onnxruntime as ort
+
+    path = os.path.join(tmp, f"{tag}.onnx")
+    if model.ByteSize() >= _TWO_GB:
+        onnx.save_model(model, path, save_as_external_data=True, location=f"{tag}.onnx.data")
+    else:
+        onnx.save_model(model, path)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(tmp, tag)
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        wanted = {i.name for i in session.get_inputs()}
+        feed = {k: v for k, v in feeds.items() if k in wanted}
+        for _ in range(warmup + runs):
+            session.run(None, feed)
+        trace = session.end_profiling()
+    except Exception as exc:  # onnxruntime raises its own exception types for unsupported models
+        if tag == "backward":
+            return {}
+        raise OnnxpipeError(f"profiling failed in onnxruntime ({str(exc).splitlines()[0][:200]}); annotate without --profile") from exc
+    with open(trace) as f:
+        events = json.load(f)
+    return _medians(events, warmup)
+
+
+def _medians(events: list[dict], warmup: int) -> dict[str, float]:
+    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    per_run: dict[str, dict[int, float]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        run = bisect_right(starts, e["ts"]) - 1
+        if run < warmup:
+            continue
+        node = name[: -len("_kernel_time")]
+        times = per_run.setdefault(node, {})
+        times[run] = times.get(run, 0.0) + e["dur"] * 1e-6
+    measured = len(starts) - warmup
+    return {
+        node: max(_RESOLUTION_FLOOR, statistics.median(list(times.values()) + [0.0] * (measured - len(times))))
+        for node, times in per_run.items()
+    }
+
+
+def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The model plus a scalar loss and its gradient graph, None when onnxruntime cannot build one."""
+    from onnxruntime.capi._pybind_state import GradientGraphBuilder
+
+    floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
+    used = {t for n in graph.compute_nodes for t in graph.node_inputs(n)}
+    wanted = {p for p in graph.parameters if p in used} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
+    if not floats or not wanted or model.ByteSize() >= _TWO_GB:
+        return None
+    lossy = onnx.ModelProto()
+    lossy.CopyFrom(model)
+    first = graph.tensors[floats[0]]
+    if first.shape in ((), (1,)) and first.dtype == "float32" and floats[0] == graph.outputs[0]:
+        loss = floats[0]
+    else:
+        loss = _append_sum_loss(lossy.graph, floats)
+    try:
+        with _quiet_stderr():
+            builder = GradientGraphBuilder(lossy.SerializeToString(), {loss}, wanted, loss)
+            builder.build()
+        return onnx.load_from_string(builder.get_model())
+    except Exception:  # ops without gradients: fall back to the FLOP ratio
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence native stderr: the gradient builder logs every pass at info level whatever the logger settings."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _append_sum_loss(g: onnx.GraphProto, outputs: list[str]) -> str:
+    """loss = sum over the float outputs of the sum of their elements, as float32."""
+    parts = []
+    for i, name in enumerate(outputs):
+        summed, cast = f"{_LOSS}.sum{i}", f"{_LOSS}.part{i}"
+        g.node.append(helper.make_node("ReduceSum", [name], [summed], name=summed, keepdims=0))
+        g.node.append(helper.make_node("Cast", [summed], [cast], name=cast, to=TensorProto.FLOAT))
+        parts.append(cast)
+    total = parts[0]
+    for i, part in enumerate(parts[1:]):
+        nxt = f"{_LOSS}.add{i}"
+        g.node.append(helper.make_node("Add", [total, part], [nxt], name=nxt))
+        total = nxt
+    g.output.append(helper.make_tensor_value_info(total, TensorProto.FLOAT, []))
+    return total
+
+
+def _backward_by_forward(times: Mapping[str, float]) -> dict[str, float]:
+    """Gradient node times summed per forward node (`<fwd>_Grad/...`)."""
+    backward: dict[str, float] = {}
+    for node, seconds in times.items():
+        head, mark, _ = node.partition(_GRAD_MARK)
+        if mark:
+            backward[head] = backward.get(head, 0.0) + seconds
+    return backward
