@@ -1,8 +1,9 @@
 """onnxpipe: cut ONNX models into balanced pipeline stages and train them as a pipeline."""
 
+from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.target import Target, load_target
 
-__all__ = ["OnnxpipeError", "Graph", "load", "Target", "load_target"]
+__all__ = ["annotate", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target"]
 __version__ = "0.1.0"

@@ -164,3 +164,50 @@ def targets_show(target: str = typer.Argument(..., help="A bundled target name o
     for link in t.links:
         links.add_row(" <-> ".join(link.between), link.topology, format_rate(link.bandwidth), format_seconds(link.latency))
     console.print(links)
+
+
+# --- annotate --------------------------------------------------------------
+
+
+@app.command()
+@friendly
+def annotate(
+    model: str = typer.Argument(..., help="The .onnx model to cost."),
+    output: str = typer.Option(None, "-o", "--output", help="Write the annotated model here (costs in each node's metadata_props)."),
+    json_file: str = typer.Option(None, "--json", help="Also write the cost summary as JSON."),
+    profile: bool = typer.Option(False, "--profile", help="Measure node times in onnxruntime (CPU, one thread), forward and backward."),
+    dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
+) -> None:
+    """Cost every node (FLOPs, bytes, parameters, activations, backward) and print them per op type."""
+    from rich.table import Table
+
+    from onnxpipe.cost import annotate as annotate_costs
+    from onnxpipe.cost import summarize, write_annotated, write_summary
+    from onnxpipe.graph import load
+    from onnxpipe.units import format_bytes, format_flops, format_seconds
+
+    graph = load(model, parse_dims(dim))
+    costs = annotate_costs(graph, profile=profile)
+    rows, totals = summarize(costs)
+    flops = lambda value: format_flops(value).removesuffix("/s")  # noqa: E731 - an amount, not a rate
+    table = Table(title=f"costs of {escape(graph.source)}")
+    for column in ("op type", "class", "nodes", "FLOPs", "share", "backward", "params", "activations", *(("measured",) if costs.profiled else ())):
+        table.add_column(column, justify="left" if column in ("op type", "class") else "right", no_wrap=True)
+    for r in rows:
+        measured = (format_seconds(r.measured_seconds or 0.0),) if costs.profiled else ()
+        table.add_row(r.op_type, r.op_class, str(r.count), flops(r.flops), f"{100 * r.flops_share:.1f}%", flops(r.backward_flops),
+                      format_bytes(r.param_bytes), format_bytes(r.activation_bytes), *measured)
+    console.print(table)
+    line = (f"total: {totals['nodes']} nodes, {flops(totals['flops'])} forward, {flops(totals['backward_flops'])} backward, "
+            f"params {format_bytes(totals['params_bytes'])}, activations {format_bytes(totals['activation_bytes'])}")
+    if costs.profiled:
+        line += f", measured {format_seconds(totals['measured_seconds'])} forward + {format_seconds(totals['measured_backward_seconds'])} backward"
+    console.print(line, highlight=False)
+    if costs.unknown_ops:
+        err_console.print(f"[yellow]warning:[/] no cost formula for {', '.join(costs.unknown_ops)}: bytes-only estimates", highlight=False)
+    if output:
+        write_annotated(graph, costs, output)
+        console.print(f"wrote {escape(output)}", highlight=False)
+    if json_file:
+        write_summary(costs, json_file)
+        console.print(f"wrote {escape(json_file)}", highlight=False)

@@ -67,7 +67,7 @@ def format_rate(bytes_per_second: float) -> str:
 def format_flops(rate: float, dtype: str = "float32") -> str:
     """Compute rate, e.g. "15.7 TFLOP/s"; integer dtypes in OP/s, e.g. "24.5 TOP/s"."""
     unit = "OP/s" if dtype.startswith("int") else "FLOP/s"
-    return _scaled(rate, ((1e12, "T" + unit), (1e9, "G" + unit), (1e6, "M" + unit), (1.0, unit)))
+    return _scaled(rate, ((1e12, "T" + unit), (1e9, "G" + unit), (1e6, "M" + unit), (1e3, "k" + unit), (1.0, unit)))
 
 
 def format_seconds(seconds: float) -> str:
