@@ -104,7 +104,7 @@ class GraphBuilder:
     def tensor(self, base: str, values: np.ndarray) -> str:
         """An initializer holding exactly `values`, under a fresh name."""
         name = self.unique(base)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(values), name))
+        self.initializers.append(numpy_helper.from_array(np.asarray(values, order="C"), name))
         return name
 
     def const(self, values: np.ndarray | Sequence[int] | float, base: str = "const") -> str:
@@ -224,16 +224,19 @@ class GraphBuilder:
     # -- loss heads -----------------------------------------------------------------------------
 
     def cross_entropy(self, logits: str, label_shape: Sequence[int]) -> Loss:
-        """Mean SoftmaxCrossEntropyLoss against an int64 `labels` input; logits are [N, C] or [N, C, d...].
-
-        The optional log_prob output is kept: onnxruntime-training's gradient of the loss reads it.
-        """
+        """Mean SoftmaxCrossEntropyLoss against a new int64 `labels` input; logits are [N, C] or [N, C, d...]."""
         labels = self.input("labels", label_shape, TensorProto.INT64)
+        self.softmax_cross_entropy(logits, labels, "loss")
+        return Loss(loss="loss", labels=labels)
+
+    def softmax_cross_entropy(self, logits: str, labels: str, out: str | None = None) -> str:
+        """One mean SoftmaxCrossEntropyLoss node; its optional log_prob output is kept because
+        onnxruntime-training's gradient of the loss reads it."""
         with self.scope("loss"):
             node = self.unique("SoftmaxCrossEntropyLoss")
-            outs = [self._claim("loss"), self._claim(f"{node}:log_prob")]
+            outs = [self._claim(out or f"{node}:loss"), self._claim(f"{node}:log_prob")]
             self.nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", [logits, labels], outs, name=node, reduction="mean"))
-        return Loss(loss="loss", labels=labels)
+        return outs[0]
 
     def mse(self, prediction: str, target_shape: Sequence[int]) -> Loss:
         """Mean squared error against a float `labels` input, as Sub, Mul, ReduceMean."""
