@@ -58,6 +58,10 @@ class StagePlan:
         """Steady-state time per micro-batch: compute plus communication."""
         return self.forward_seconds + self.backward_seconds + self.comm_in_seconds + self.comm_out_seconds
 
+    def seconds_per_microbatch(self, microbatches: int) -> float:
+        """Busy time plus this stage's share of its per-iteration all-reduce: what the planner balances."""
+        return self.busy_seconds + self.allreduce_seconds / microbatches
+
 
 @dataclass(frozen=True)
 class SolveInfo:
@@ -120,7 +124,7 @@ class Plan:
 
     @property
     def bottleneck_stage(self) -> int:
-        return max(range(len(self.stages)), key=lambda i: self.stages[i].busy_seconds)
+        return max(range(len(self.stages)), key=lambda i: self.stages[i].seconds_per_microbatch(self.microbatches))
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -1,0 +1,84 @@
+"""First-principles lower bounds: no plan on this target can beat them, whatever the partition."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+
+from onnxpipe.plan.problem import Problem
+
+__all__ = ["LowerBound", "lower_bound"]
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """Bounds on the bottleneck seconds per micro-batch, and on memory."""
+
+    #: All forward + backward work spread perfectly over the devices a plan can use (fractional LP).
+    work_seconds: float
+    #: The heaviest node on its fastest device, split over as many replicas as a stage can get.
+    node_seconds: float
+    #: Least bytes some device must hold in any plan: the largest node's parameters, gradients,
+    #: optimizer state and one micro-batch of its activations, or all parameter state spread evenly.
+    memory_bytes: float
+    #: The largest device memory of the target.
+    capacity_bytes: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.work_seconds, self.node_seconds)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.capacity_bytes
+
+
+def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBound:
+    """Bounds for plans of `stages` stages (replicated stages may use every device when `replicas`)."""
+    work = problem.forward + problem.backward
+    counts = np.array([len(d) for d in problem.group_devices])
+    usable = problem.device_count if replicas else stages
+    most_replicas = np.minimum(counts, max(1, problem.device_count - stages + 1)) if replicas else np.ones_like(counts)
+    node = float(np.max(np.min(work / most_replicas[:, None], axis=0)))
+    state = problem.params * (2.0 + problem.optimizer_states)
+    spread = float(state.sum()) / usable
+    per_node = float(np.max(state + problem.activations / np.max(most_replicas)))
+    return LowerBound(
+        work_seconds=_work_bound(work, counts, usable),
+        node_seconds=node,
+        memory_bytes=max(per_node, spread),
+        capacity_bytes=float(np.max(problem.capacity)),
+    )
+
+
+def _work_bound(work: np.ndarray, counts: np.ndarray, usable: int) -> float:
+    """min T such that the work, split fractionally over groups, fits `count_g * T` on each group,
+    over every way of picking `usable` devices."""
+    if len(counts) == 1:
+        return float(work.sum()) / min(usable, int(counts[0]))
+    columns, weight = np.unique(np.round(work, 15), axis=1, return_counts=True)
+    best = np.inf
+    for picked in itertools.product(*(range(int(c) + 1) for c in counts)):
+        if sum(picked) != min(usable, int(counts.sum())):
+            continue
+        best = min(best, _fractional_makespan(columns, weight, np.array(picked)))
+    return float(best)
+
+
+def _fractional_makespan(columns: np.ndarray, weight: np.ndarray, devices: np.ndarray) -> float:
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    groups, kinds = columns.shape
+    t = solver.NumVar(0, solver.infinity(), "T")
+    share = [[solver.NumVar(0, 1, "") if devices[g] else None for g in range(groups)] for _ in range(kinds)]
+    for j in range(kinds):
+        solver.Add(sum(v for v in share[j] if v is not None) == 1)
+    for g in range(groups):
+        if devices[g]:
+            solver.Add(sum(share[j][g] * float(columns[g, j] * weight[j]) for j in range(kinds)) <= t * float(devices[g]))
+    solver.Minimize(t)
+    solver.Solve()
+    # Round down slightly: the LP's float tolerance must never lift the bound above a true optimum.
+    return max(0.0, t.solution_value() * (1 - 1e-7))

@@ -1,0 +1,105 @@
+"""Coarsening: contract runs of the topological order into blocks whose boundaries sit where few bytes
+are live, so the solvers see hundreds of blocks instead of thousands of nodes.
+
+Rounding any cut of the node-level problem to the nearest block boundary moves at most one block of
+work, so `max_block_seconds` bounds what coarsening can cost in compute (boundary traffic aside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxpipe.plan.problem import Problem
+
+__all__ = ["Blocks", "coarsen", "live_bytes"]
+
+
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """Contiguous runs of the topological order; per-block sums of the problem's arrays."""
+
+    #: (blocks + 1,) start positions; the last entry is the node count.
+    starts: np.ndarray
+    #: (groups, blocks) seconds; (blocks,) bytes.
+    forward: np.ndarray
+    backward: np.ndarray
+    params: np.ndarray
+    activations: np.ndarray
+    #: Tensors crossing blocks: producer block (-1: model input), bytes, sorted distinct consumer blocks.
+    producer: np.ndarray
+    nbytes: np.ndarray
+    consumers: tuple[np.ndarray, ...]
+    #: Heaviest block (forward + recomputed forward + backward on the slowest group).
+    max_block_seconds: float
+
+    @property
+    def count(self) -> int:
+        return len(self.starts) - 1
+
+    def nodes(self, problem: Problem, first: int, last: int) -> tuple[str, ...]:
+        """Names of the nodes of blocks first..last-1."""
+        return problem.nodes[self.starts[first] : self.starts[last]]
+
+
+def live_bytes(problem: Problem) -> np.ndarray:
+    """(n + 1,) bytes produced before each gap of the order and read after it (model inputs excluded)."""
+    diff = np.zeros(problem.n + 2)
+    last = np.array([c[-1] for c in problem.tensor_consumers], dtype=np.int64) if problem.tensor_consumers else np.zeros(0, np.int64)
+    keep = (problem.tensor_producer >= 0) & (last > problem.tensor_producer)
+    np.add.at(diff, problem.tensor_producer[keep] + 1, problem.tensor_bytes[keep])
+    np.add.at(diff, last[keep] + 1, -problem.tensor_bytes[keep])
+    return np.cumsum(diff)[: problem.n + 1]
+
+
+def coarsen(problem: Problem, max_blocks: int) -> Blocks:
+    """Blocks of about equal work, each ending at the gap of least live bytes in its window."""
+    n = problem.n
+    if n <= max_blocks:
+        starts = np.arange(n + 1)
+    else:
+        work = (problem.forward + problem.backward).mean(axis=0)
+        cumulative = np.concatenate([[0.0], np.cumsum(work)])
+        live = live_bytes(problem)
+        target = cumulative[-1] / max_blocks
+        cuts = [0]
+        while True:
+            pos = cuts[-1]
+            lo = max(pos + 1, int(np.searchsorted(cumulative, cumulative[pos] + 0.5 * target)))
+            hi = max(lo, int(np.searchsorted(cumulative, cumulative[pos] + 1.5 * target)))
+            if hi >= n:
+                break
+            window = live[lo : hi + 1]
+            cuts.append(lo + int(np.argmin(window)))
+        cuts.append(n)
+        starts = np.array(cuts)
+    return _blocks(problem, starts)
+
+
+def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
+    def sums(values: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(values, starts[:-1], axis=-1)
+
+    block_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    producer, nbytes, consumers = [], [], []
+    for t, p in enumerate(problem.tensor_producer):
+        pb = block_of[p] if p >= 0 else -1
+        cbs = np.unique(block_of[problem.tensor_consumers[t]])
+        cbs = cbs[cbs != pb]
+        if len(cbs):
+            producer.append(pb)
+            nbytes.append(problem.tensor_bytes[t])
+            consumers.append(cbs)
+    forward, backward = sums(problem.forward), sums(problem.backward)
+    return Blocks(
+        starts=starts,
+        forward=forward,
+        backward=backward,
+        params=sums(problem.params),
+        activations=sums(problem.activations),
+        producer=np.array(producer, dtype=np.int64),
+        nbytes=np.array(nbytes, dtype=float),
+        consumers=tuple(consumers),
+        max_block_seconds=float((2 * forward + backward).max()),
+    )

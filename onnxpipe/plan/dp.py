@@ -1,0 +1,209 @@
+"""Dynamic program over contiguous runs of blocks (PipeDream-style, extended with device groups,
+replication and recompute): the exact minimum bottleneck among partitions that cut the topological
+order into intervals, under the planner's stage-time model. Fast; its answer warm-starts CP-SAT.
+
+Stage-time model (shared with CP-SAT): forward + backward (+ forward again when recomputing) over the
+replica count, plus latency + bytes / (replicas * bandwidth) per tensor received (from the previous
+stage's group) and per tensor sent (over the slowest link leaving the group), plus the all-reduce
+share per micro-batch.
+
+Reading order: `Intervals` / `intervals` -> `solve_dp` -> `_stage_times` -> `_backtrack`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxpipe.plan.coarsen import Blocks
+from onnxpipe.plan.layout import Layout
+from onnxpipe.plan.problem import Problem, in_flight
+
+__all__ = ["Intervals", "intervals", "solve_dp", "allreduce_affine", "out_links"]
+
+
+@dataclass(frozen=True, eq=False)
+class Intervals:
+    """Matrices indexed [i, j] for the stage made of blocks i..j-1."""
+
+    in_bytes: np.ndarray
+    in_count: np.ndarray
+    #: Received bytes plus model inputs read: what a recomputing stage stashes.
+    stash_bytes: np.ndarray
+    out_bytes: np.ndarray
+    out_count: np.ndarray
+
+
+def intervals(blocks: Blocks) -> Intervals:
+    nb = blocks.count
+    shape = (nb + 2, nb + 2)
+    in_b, in_c, stash, out_b, out_c = (np.zeros(shape) for _ in range(5))
+    for pb, nbytes, cbs in zip(blocks.producer, blocks.nbytes, blocks.consumers):
+        lows = np.concatenate([[pb], cbs[:-1]]) + 1
+        cols = cbs + 1
+        for m, w in ((stash, nbytes),) + (((in_b, nbytes), (in_c, 1.0)) if pb >= 0 else ()):
+            np.add.at(m, (lows, cols), w)
+            np.add.at(m, (cols, cols), -w)
+        if pb >= 0:
+            last = cbs[-1]
+            for m, w in ((out_b, nbytes), (out_c, 1.0)):
+                m[0, pb + 1] += w
+                m[0, last + 1] -= w
+                m[pb + 1, pb + 1] -= w
+                m[pb + 1, last + 1] += w
+
+    def done(m: np.ndarray) -> np.ndarray:
+        return np.cumsum(np.cumsum(m, axis=0), axis=1)[: nb + 1, : nb + 1]
+
+    return Intervals(done(in_b), done(in_c), done(stash), done(out_b), done(out_c))
+
+
+def allreduce_affine(problem: Problem, group: int, replicas: int) -> tuple[float, float]:
+    """(seconds, seconds per byte) of an all-reduce over `replicas` devices of a group."""
+    devices = problem.group_devices[group][:replicas]
+    one = problem.target.allreduce_seconds(devices, 1.0)
+    slope = problem.target.allreduce_seconds(devices, 2.0) - one
+    return one - slope, slope
+
+
+def out_links(problem: Problem, group: int) -> tuple[float, float]:
+    """(latency, bandwidth) of the slowest link from a group to any group, itself included."""
+    bandwidth = problem.bandwidth[group]
+    worst = int(np.argmin(bandwidth))
+    return float(problem.latency[group].max()), float(bandwidth[worst])
+
+
+def solve_dp(
+    problem: Problem,
+    blocks: Blocks,
+    stages: int,
+    recompute: str = "auto",
+    replicas: bool = True,
+    in_order: bool = False,
+    table: Intervals | None = None,
+) -> Layout | None:
+    """The best interval partition into `stages` stages, or None when none fits in memory.
+
+    `in_order` places stages on devices in target order (a planner blind to heterogeneity)."""
+    table = table or intervals(blocks)
+    nb = blocks.count
+    counts = tuple(len(d) for d in problem.group_devices)
+    total = sum(counts)
+    flights = in_flight(problem.schedule, stages, problem.microbatches)
+    prefix = _prefix(blocks)
+    layers: list[dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray]]] = []
+    start = np.full(nb + 1, np.inf)
+    start[0] = 0.0
+    current = {((0,) * len(counts), -1): (start, np.zeros(nb + 1, dtype=np.int64))}
+    cache: dict = {}
+    for s in range(stages):
+        nxt: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray, list]] = {}
+        for (used, gp), (best, _) in current.items():
+            if not np.isfinite(best).any():
+                continue
+            spare = total - sum(used) - (stages - s - 1)
+            for g, r in _choices(counts, used, spare, replicas, in_order):
+                times = _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flights[s], recompute)
+                cand = np.maximum(best[:, None], times)
+                if s == stages - 1:
+                    cand[:, :nb] = np.inf
+                arg = np.argmin(cand, axis=0)
+                value = cand[arg, np.arange(nb + 1)]
+                key = (tuple(u + (r if h == g else 0) for h, u in enumerate(used)), g)
+                entry = nxt.get(key)
+                if entry is None:
+                    nxt[key] = (value, arg, [(used, gp, r)] * (nb + 1))
+                    continue
+                better = np.flatnonzero(value < entry[0])
+                entry[0][better] = value[better]
+                entry[1][better] = arg[better]
+                for j in better:
+                    entry[2][j] = (used, gp, r)
+        layers.append(nxt)
+        current = {key: (v[0], v[1]) for key, v in nxt.items()}
+    finals = [(v[0][nb], key) for key, v in layers[-1].items() if np.isfinite(v[0][nb])]
+    if not finals:
+        return None
+    return _backtrack(problem, blocks, table, prefix, layers, min(finals)[1], flights, recompute)
+
+
+def _choices(counts: tuple[int, ...], used: tuple[int, ...], spare: int, replicas: bool, in_order: bool):
+    for g, (c, u) in enumerate(zip(counts, used)):
+        if in_order and any(uu < cc for uu, cc in zip(used[:g], counts[:g])):
+            break
+        for r in range(1, (min(c - u, spare) if replicas else min(1, c - u)) + 1):
+            yield g, r
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    forward: np.ndarray
+    backward: np.ndarray
+    params: np.ndarray
+    activations: np.ndarray
+
+
+def _prefix(blocks: Blocks) -> _Prefix:
+    def cum(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1)], axis=-1)
+
+    return _Prefix(cum(blocks.forward), cum(blocks.backward), cum(blocks.params), cum(blocks.activations))
+
+
+def _span(prefix: np.ndarray) -> np.ndarray:
+    return prefix[None, :] - prefix[:, None]
+
+
+def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recompute, with_choice=False):  # type: ignore[no-untyped-def]
+    """(blocks+1, blocks+1) seconds per micro-batch of a stage i..j-1 (inf where invalid or too big)."""
+    key = (g, r, gp, flight, recompute, with_choice)
+    if key in cache:
+        return cache[key]
+    base = cache.get(("base", g, r, gp))
+    if base is None:
+        forward = _span(prefix.forward[g]) / r
+        backward = _span(prefix.backward[g]) / r
+        params = _span(prefix.params)
+        comm = 0.0
+        if gp >= 0:
+            comm = table.in_count * problem.latency[gp, g] + table.in_bytes / (r * problem.bandwidth[gp, g])
+        latency, bandwidth = out_links(problem, g)
+        comm = comm + table.out_count * latency + table.out_bytes / (r * bandwidth)
+        a0, a1 = allreduce_affine(problem, g, r)
+        allreduce = np.where(params > 0, a0 + a1 * params, 0.0) / problem.microbatches if r > 1 else 0.0
+        keep = forward + backward + comm + allreduce
+        state = params * (2.0 + problem.optimizer_states)
+        acts = _span(prefix.activations) / r
+        invalid = np.tril(np.ones_like(keep, dtype=bool))
+        base = (keep, forward, state, acts, invalid)
+        cache[("base", g, r, gp)] = base
+    keep, forward, state, acts, invalid = base
+    capacity = problem.capacity[g]
+    keep_fits = state + flight * acts <= capacity
+    rc_fits = state + flight * table.stash_bytes / r + acts <= capacity
+    t_keep = np.where(keep_fits & (recompute != "always"), keep, np.inf)
+    t_rc = np.where(rc_fits & (recompute != "never"), keep + forward, np.inf)
+    times = np.minimum(t_keep, t_rc)
+    times[invalid] = np.inf
+    cache[key] = (times, t_rc < t_keep) if with_choice else times
+    return cache[key]
+
+
+def _backtrack(problem, blocks, table, prefix, layers, key, flights, recompute) -> Layout:  # type: ignore[no-untyped-def]
+    nb = blocks.count
+    k = len(layers)
+    block_stage = np.zeros(nb, dtype=np.int64)
+    groups, reps, rcs = [0] * k, [0] * k, [False] * k
+    j = nb
+    cache: dict = {}
+    for s in range(k - 1, -1, -1):
+        value, arg, source = layers[s][key]
+        i = int(arg[j])
+        used, gp, r = source[j]
+        g = key[1]
+        _, choose_rc = _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flights[s], recompute, with_choice=True)
+        block_stage[i:j] = s
+        groups[s], reps[s], rcs[s] = g, r, bool(choose_rc[i, j])
+        key, j = (used, gp), i
+    return Layout(block_stage=block_stage, groups=tuple(groups), replicas=tuple(reps), recompute=tuple(rcs))

@@ -1,0 +1,37 @@
+"""A solver's answer on blocks (stage per block, group, replicas and recompute per stage), turned into
+an `Assignment` of node and device names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxpipe.plan.coarsen import Blocks
+from onnxpipe.plan.evaluate import Assignment
+from onnxpipe.plan.problem import Problem
+
+__all__ = ["Layout", "to_assignment"]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    #: (blocks,) stage index of each block.
+    block_stage: np.ndarray
+    #: Per stage: device group index, replica count, recompute flag.
+    groups: tuple[int, ...]
+    replicas: tuple[int, ...]
+    recompute: tuple[bool, ...]
+
+
+def to_assignment(problem: Problem, blocks: Blocks, layout: Layout) -> Assignment:
+    """Stages get device instances of their group in target order."""
+    node_stage = np.repeat(layout.block_stage, np.diff(blocks.starts))
+    k = len(layout.groups)
+    taken = [0] * len(problem.groups)
+    devices = []
+    for g, r in zip(layout.groups, layout.replicas):
+        devices.append(problem.group_devices[g][taken[g] : taken[g] + r])
+        taken[g] += r
+    stages = tuple(tuple(problem.nodes[i] for i in np.flatnonzero(node_stage == s)) for s in range(k))
+    return Assignment(stages=stages, devices=tuple(devices), recompute=tuple(bool(x) for x in layout.recompute))

@@ -1,0 +1,235 @@
+"""The planning problem as arrays: per-micro-batch node times on each device group, parameter and
+activation bytes, the tensors that may cross stages, and the links between groups.
+
+Every solver, baseline and bound reads one `Problem`, built by the pure function `build_problem`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from onnxpipe import schedule as schedules
+from onnxpipe.cost import Costs
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import Graph
+from onnxpipe.target import Target
+
+__all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight"]
+
+#: Optimizer state per parameter byte.
+OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """A graph's costs on a target for one micro-batch of `batch / microbatches` samples."""
+
+    graph: Graph
+    costs: Costs
+    target: Target
+    batch: int
+    microbatches: int
+    #: "gpipe" or "1f1b".
+    schedule: str
+    optimizer: str
+    #: Numpy dtype whose peak FLOP/s the node times use.
+    dtype: str
+    #: Micro-batch size over the batch the costs were annotated for.
+    scale: float
+    #: Compute nodes in topological order; positions index every per-node array.
+    nodes: tuple[str, ...]
+    #: Device group names in target order, and the device instances of each.
+    groups: tuple[str, ...]
+    group_devices: tuple[tuple[str, ...], ...]
+    #: (groups, nodes) forward and backward seconds per micro-batch.
+    forward: np.ndarray
+    backward: np.ndarray
+    #: (nodes,) parameter bytes (not scaled by the batch) and activation bytes per micro-batch.
+    params: np.ndarray
+    activations: np.ndarray
+    #: Tensors read by compute nodes: name, producer position (-1: model input), bytes per micro-batch,
+    #: and the sorted distinct positions of their consumers.
+    tensor_names: tuple[str, ...]
+    tensor_producer: np.ndarray
+    tensor_bytes: np.ndarray
+    tensor_consumers: tuple[np.ndarray, ...]
+    #: (groups, groups) link bandwidth (bytes/s) and latency (s); inf/0 where no link exists.
+    bandwidth: np.ndarray
+    latency: np.ndarray
+    #: (groups,) device memory capacity and memory bandwidth.
+    capacity: np.ndarray
+    memory_bandwidth: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def device_count(self) -> int:
+        return sum(len(d) for d in self.group_devices)
+
+    @property
+    def optimizer_states(self) -> float:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def group_of(self, device: str) -> int:
+        for g, names in enumerate(self.group_devices):
+            if device in names:
+                return g
+        raise OnnxpipeError(f"device '{device}' is not in target {self.target.name}; its devices: {', '.join(d.name for d in self.target.devices)}")
+
+    def with_options(self, **changes: object) -> Problem:
+        """The same graph and target under another batch, micro-batch count, schedule or optimizer."""
+        keep = {k: getattr(self, k) for k in ("batch", "microbatches", "schedule", "optimizer")}
+        keep.update(changes)
+        if keep["batch"] == self.batch and keep["microbatches"] == self.microbatches:
+            return dataclasses.replace(self, schedule=keep["schedule"], optimizer=keep["optimizer"])
+        return build_problem(self.graph, self.costs, self.target, dtype=self.dtype, **keep)  # type: ignore[arg-type]
+
+
+@lru_cache(maxsize=256)
+def in_flight(schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
+    """Micro-batches whose activations each stage holds at once under a schedule."""
+    table = schedules.build(schedule, stages, microbatches)
+    return tuple(schedules.in_flight(actions) for actions in table)
+
+
+def dominant_dtype(graph: Graph) -> str:
+    """The float dtype holding most parameter (else tensor) bytes: the one whose peak applies."""
+    weights: Counter[str] = Counter()
+    for name in graph.parameters or tuple(graph.tensors):
+        info = graph.tensors[name]
+        if np.issubdtype(np.dtype(info.dtype), np.floating):
+            weights[info.dtype] += info.nbytes
+    return weights.most_common(1)[0][0] if weights else "float32"
+
+
+def build_problem(
+    graph: Graph,
+    costs: Costs,
+    target: Target,
+    *,
+    batch: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    optimizer: str = "adam",
+    dtype: str | None = None,
+) -> Problem:
+    """Scale the graph's costs to one micro-batch and tabulate them per device group."""
+    _ensure_options(graph, batch, microbatches, schedule, optimizer)
+    nodes = graph.compute_nodes
+    missing = [n for n in nodes if n not in costs.nodes]
+    if missing:
+        raise OnnxpipeError(f"costs miss {len(missing)} compute nodes (first: '{missing[0]}'); annotate this model again with `onnxpipe annotate`")
+    dtype = dtype or dominant_dtype(graph)
+    scale = batch / microbatches / graph.batch
+    groups: list[str] = []
+    members: dict[str, list[str]] = {}
+    for d in target.devices:
+        if d.group not in members:
+            groups.append(d.group)
+            members[d.group] = []
+        members[d.group].append(d.name)
+    node_costs = [costs.nodes[n] for n in nodes]
+    scaled = [_scaled(c, scale) for c in node_costs]
+    forward = np.array([[target.node_seconds(members[g][0], c, dtype) for c in scaled] for g in groups], dtype=float).reshape(len(groups), len(nodes))
+    backward = np.array(
+        [[target.node_seconds(members[g][0], c, dtype, backward=True) for c in scaled] for g in groups], dtype=float
+    ).reshape(len(groups), len(nodes))
+    params = np.array([c.param_bytes for c in node_costs], dtype=float)
+    activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
+    names, producer, nbytes, consumers = _tensors(graph, nodes, scale)
+    bandwidth = np.full((len(groups), len(groups)), np.inf)
+    latency = np.zeros((len(groups), len(groups)))
+    for a, ga in enumerate(groups):
+        for b, gb in enumerate(groups):
+            try:
+                link = target.link(members[ga][0], members[gb][0])
+            except KeyError:
+                continue
+            bandwidth[a, b], latency[a, b] = link.bandwidth, link.latency
+    firsts = [target.device(members[g][0]) for g in groups]
+    return Problem(
+        graph=graph,
+        costs=costs,
+        target=target,
+        batch=batch,
+        microbatches=microbatches,
+        schedule=schedule,
+        optimizer=optimizer,
+        dtype=dtype,
+        scale=scale,
+        nodes=nodes,
+        groups=tuple(groups),
+        group_devices=tuple(tuple(members[g]) for g in groups),
+        forward=forward,
+        backward=backward,
+        params=params,
+        activations=activations,
+        tensor_names=names,
+        tensor_producer=producer,
+        tensor_bytes=nbytes,
+        tensor_consumers=consumers,
+        bandwidth=bandwidth,
+        latency=latency,
+        capacity=np.array([d.memory_bytes for d in firsts], dtype=float),
+        memory_bandwidth=np.array([d.memory_bandwidth for d in firsts], dtype=float),
+    )
+
+
+def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, optimizer: str) -> None:
+    if schedule not in schedules.SCHEDULES:
+        raise OnnxpipeError(f"unknown schedule '{schedule}'; choose one of: {', '.join(schedules.SCHEDULES)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise OnnxpipeError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZER_STATES)}")
+    if microbatches < 1 or batch < 1:
+        raise OnnxpipeError(f"batch {batch} and micro-batches {microbatches} must be positive integers")
+    if batch % microbatches:
+        raise OnnxpipeError(f"batch {batch} does not split into {microbatches} micro-batches; pick a divisor of the batch for --microbatches")
+    if not graph.compute_nodes:
+        raise OnnxpipeError(f"{graph.source}: the model has no compute nodes (everything is constant); nothing to plan")
+
+
+def _scaled(cost, scale: float):  # type: ignore[no-untyped-def]
+    if scale == 1.0:
+        return cost
+    measured = None if cost.measured_seconds is None else cost.measured_seconds * scale
+    measured_b = None if cost.measured_backward_seconds is None else cost.measured_backward_seconds * scale
+    return dataclasses.replace(
+        cost,
+        flops=cost.flops * scale,
+        bytes_read=cost.bytes_read * scale,
+        bytes_written=cost.bytes_written * scale,
+        activation_bytes=cost.activation_bytes * scale,
+        backward_flops=cost.backward_flops * scale,
+        backward_bytes=cost.backward_bytes * scale,
+        measured_seconds=measured,
+        measured_backward_seconds=measured_b,
+    )
+
+
+def _tensors(graph: Graph, nodes: tuple[str, ...], scale: float) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+    position = {n: i for i, n in enumerate(nodes)}
+    readers: dict[str, set[int]] = {}
+    producer: dict[str, int] = {}
+    for src, dst, key in graph.dag.edges(keys=True):
+        if src in position and dst in position:
+            producer[key] = position[src]
+            readers.setdefault(key, set()).add(position[dst])
+    for name in graph.inputs:
+        found = {position[c] for c in graph.consumers(name) if c in position}
+        if found:
+            producer[name] = -1
+            readers[name] = found
+    names = tuple(readers)
+    return (
+        names,
+        np.array([producer[t] for t in names], dtype=np.int64),
+        np.array([graph.tensors[t].nbytes * scale for t in names], dtype=float),
+        tuple(np.array(sorted(readers[t]), dtype=np.int64) for t in names),
+    )
