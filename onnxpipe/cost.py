@@ -367,6 +367,8 @@ def summarize(costs: Costs) -> tuple[list[OpTypeSummary], dict[str, float]]:
 
 
 _PREFIX = "onnxpipe."
+#: Models this large keep their weights in a side file: protobuf cannot serialize 2 GB.
+_EXTERNAL_DATA_BYTES = 2**31 - 2**20
 _NUMBER_FIELDS = tuple(f.name for f in fields(NodeCost) if f.name not in ("op_type", "op_class", "known"))
 
 
@@ -423,8 +425,7 @@ def _save_model_atomically(model: onnx.ModelProto, path: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         data_name = path.name + ".data"
-        large = model.ByteSize() >= 2**31 - 2**20
-        if large:
+        if model.ByteSize() >= _EXTERNAL_DATA_BYTES:
             onnx.save_model(model, str(tmp / path.name), save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
             os.replace(tmp / data_name, path.parent / data_name)
         else:

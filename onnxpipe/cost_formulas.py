@@ -168,7 +168,8 @@ def _gemm(node: onnx.NodeProto, shape: ShapeOf) -> float:
 
 def _einsum(node: onnx.NodeProto, shape: ShapeOf) -> float:
     """Product of every index size (ellipsis dims broadcast); 2(n-1) FLOPs per index tuple for n operands, 1 for one."""
-    equation = str(_attrs(node)["equation"]).replace(" ", "")
+    raw = _attrs(node)["equation"]
+    equation = (raw.decode() if isinstance(raw, bytes) else str(raw)).replace(" ", "")
     terms = equation.split("->")[0].split(",")
     operands = [i for i in node.input if i]
     sizes: dict[str, int] = {}

@@ -1,0 +1,336 @@
+"""Cost annotation: per-op formulas against hand counts, published full-size figures, unknown ops,
+tied weights, control flow, measured mode, the annotated-ONNX round trip and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxpipe.cost import annotate, read_annotated, summarize, write_annotated
+from onnxpipe.graph import load
+
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    """A model from nodes, (name, shape) inputs, output names and {name: array} initializers."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, F, s) for n, s in inputs],
+        [helper.make_empty_tensor_value_info(o) for o in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in dict(inits).items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    return model
+
+
+def _one(nodes, inputs, outputs, inits=(), opset=17):
+    graph = load(_model(nodes, inputs, outputs, inits, opset))
+    return graph, annotate(graph)
+
+
+def _zeros(*shape):
+    return np.zeros(shape, np.float32)
+
+
+# --- formulas against hand counts ------------------------------------------
+
+
+def test_conv_groups_strides_pads_bias():
+    # out (1,6,4,4) = 96 elements, each 4/2 channels x 3x3 = 18 MACs; bias adds 96
+    node = helper.make_node("Conv", ["x", "W", "B"], ["y"], name="conv", group=2, strides=[2, 2], pads=[1, 1, 1, 1], kernel_shape=[3, 3])
+    graph, costs = _one([node], [("x", [1, 4, 8, 8])], ["y"], {"W": _zeros(6, 2, 3, 3), "B": _zeros(6)})
+    assert graph.tensors["y"].shape == (1, 6, 4, 4)
+    c = costs.nodes["conv"]
+    assert (c.op_class, c.flops, c.backward_flops) == ("conv", 2 * 96 * 18 + 96, 2 * (2 * 96 * 18 + 96))
+    assert c.param_bytes == (6 * 2 * 9 + 6) * 4
+    assert c.bytes_read == 4 * 64 * 4 + c.param_bytes
+    assert c.bytes_written == c.activation_bytes == 96 * 4
+
+
+def test_conv_dilations_shrink_the_output():
+    # dilation 2 on a 3x3 kernel spans 5: out spatial 8-4 = 4
+    node = helper.make_node("Conv", ["x", "W"], ["y"], name="conv", dilations=[2, 2])
+    _, costs = _one([node], [("x", [1, 4, 8, 8])], ["y"], {"W": _zeros(6, 4, 3, 3)})
+    assert costs.nodes["conv"].flops == 2 * (6 * 4 * 4) * (4 * 9)
+
+
+def test_conv_transpose_counts_scattered_inputs():
+    # every input element (4x5x5) feeds C_out 3 x 3x3 outputs
+    node = helper.make_node("ConvTranspose", ["x", "W"], ["y"], name="deconv", strides=[2, 2])
+    graph, costs = _one([node], [("x", [1, 4, 5, 5])], ["y"], {"W": _zeros(4, 3, 3, 3)})
+    assert graph.tensors["y"].shape == (1, 3, 11, 11)
+    assert costs.nodes["deconv"].flops == 2 * 100 * 27
+
+
+def test_matmul_batched_broadcast():
+    # (2,1,3,4) @ (5,4,6) -> (2,5,3,6): 180 dot products of length 4
+    node = helper.make_node("MatMul", ["a", "W"], ["y"], name="mm")
+    _, costs = _one([node], [("a", [2, 1, 3, 4])], ["y"], {"W": _zeros(5, 4, 6)})
+    c = costs.nodes["mm"]
+    assert c.flops == 2 * 180 * 4
+    assert (c.bytes_read, c.bytes_written, c.param_bytes) == (96 + 480, 720, 480)
+    assert c.backward_bytes == 720 + 2 * (96 + 480)
+
+
+@pytest.mark.parametrize("trans_a", [0, 1])
+def test_gemm_transposes_and_bias(trans_a):
+    a_shape = [4, 3] if trans_a else [3, 4]
+    node = helper.make_node("Gemm", ["a", "W", "C"], ["y"], name="gemm", transA=trans_a, transB=1, alpha=0.5)
+    _, costs = _one([node], [("a", a_shape)], ["y"], {"W": _zeros(5, 4), "C": _zeros(5)})
+    assert costs.nodes["gemm"].flops == 2 * 15 * 4 + 15
+
+
+@pytest.mark.parametrize(
+    ("equation", "shapes", "expected"),
+    [
+        ("bij,bjk->bik", ([2, 3, 4], [2, 4, 5]), 2 * (2 * 3 * 4 * 5)),
+        ("...ij,jk->...ik", ([2, 3, 4], [4, 5]), 2 * (2 * 3 * 4 * 5)),
+        ("ii->i", ([6, 6],), 6),
+    ],
+)
+def test_einsum_counts_every_index(equation, shapes, expected):
+    names = [f"x{i}" for i in range(len(shapes))]
+    node = helper.make_node("Einsum", names, ["y"], name="ein", equation=equation)
+    _, costs = _one([node], list(zip(names, shapes)), ["y"])
+    assert costs.nodes["ein"].flops == expected
+
+
+def test_lstm_times_sequence_and_gates():
+    # per step: 4 gates x 4 hidden over [x(3), h(4)] + 9 cell ops x 4 + 2 biases x 16; 5 steps, batch 2
+    node = helper.make_node("LSTM", ["x", "W", "R", "B"], ["y", "h"], name="lstm", hidden_size=4)
+    _, costs = _one([node], [("x", [5, 2, 3])], ["y", "h"], {"W": _zeros(1, 16, 3), "R": _zeros(1, 16, 4), "B": _zeros(1, 32)})
+    c = costs.nodes["lstm"]
+    assert (c.op_class, c.flops) == ("rnn", 5 * 2 * (2 * 16 * 7 + 9 * 4 + 2 * 16))
+    assert c.backward_flops == 2 * c.flops
+
+
+def test_bidirectional_gru_batch_first():
+    node = helper.make_node("GRU", ["x", "W", "R"], ["y"], name="gru", hidden_size=4, direction="bidirectional", layout=1)
+    _, costs = _one([node], [("x", [2, 5, 3])], ["y"], {"W": _zeros(2, 12, 3), "R": _zeros(2, 12, 4)})
+    assert costs.nodes["gru"].flops == 2 * 5 * 2 * (2 * 12 * 7 + 7 * 4)
+
+
+def test_pools():
+    nodes = [
+        helper.make_node("MaxPool", ["x"], ["m"], name="max", kernel_shape=[3, 3]),
+        helper.make_node("AveragePool", ["x"], ["a"], name="avg", kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("GlobalAveragePool", ["x"], ["g"], name="gap"),
+    ]
+    _, costs = _one(nodes, [("x", [1, 2, 6, 6])], ["m", "a", "g"])
+    flops = {n: c.flops for n, c in costs.nodes.items()}
+    assert flops == {"max": 32 * 9, "avg": 18 * 4, "gap": 72}
+    assert {c.op_class for c in costs.nodes.values()} == {"pool"}
+
+
+def test_norms_softmax_reduce_elementwise_data():
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "s", "b"], ["ln"], name="ln", axis=-1),
+        helper.make_node("Softmax", ["ln"], ["sm"], name="sm", axis=-1),
+        helper.make_node("Erf", ["sm"], ["e"], name="erf"),
+        helper.make_node("Add", ["e", "b"], ["ad"], name="add"),
+        helper.make_node("ReduceSum", ["ad"], ["r"], name="sum", keepdims=0),
+        helper.make_node("Reshape", ["ad", "shape"], ["flat"], name="reshape"),
+    ]
+    inits = {"s": _zeros(4), "b": _zeros(4), "shape": np.array([6, 4], np.int64)}
+    _, costs = _one(nodes, [("x", [2, 3, 4])], ["r", "flat"], inits)
+    c = costs.nodes
+    assert (c["ln"].flops, c["ln"].backward_flops, c["ln"].op_class) == (24 * 8, 2 * 24 * 8, "norm")
+    assert (c["sm"].flops, c["sm"].backward_flops) == (24 * 5, 2 * 24 * 5)
+    assert (c["erf"].flops, c["add"].flops, c["add"].backward_flops) == (24 * 4, 24, 24)
+    assert (c["sum"].flops, c["sum"].op_class) == (24, "reduce")
+    reshape = c["reshape"]
+    # the int64 shape table is free to read; the gradient is only moved back
+    assert (reshape.flops, reshape.op_class, reshape.bytes_read) == (0, "data", 96)
+    assert (reshape.backward_flops, reshape.backward_bytes) == (0, 96 + 96)
+    # the bias is read by LayerNormalization first: Add reads it but does not own it
+    assert (c["ln"].param_bytes, c["add"].param_bytes) == (32, 0)
+
+
+def test_unknown_op_gets_a_bytes_only_estimate():
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"), helper.make_node("Det", ["r"], ["d"], name="det")]
+    _, costs = _one(nodes, [("x", [2, 3, 3])], ["d"])
+    det = costs.nodes["det"]
+    assert (det.known, det.flops, det.op_class, det.bytes_read, det.bytes_written) == (False, 0, "other", 72, 8)
+    assert costs.unknown_ops == ("Det",)
+    assert costs.nodes["relu"].known
+
+
+def test_tied_weight_counts_once_even_through_a_folded_transpose():
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="first"),
+        helper.make_node("Transpose", ["W"], ["Wt"], name="fold", perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "Wt"], ["y"], name="second"),
+        helper.make_node("Transpose", ["V"], ["Vt"], name="fold_v", perm=[1, 0]),
+        helper.make_node("MatMul", ["y", "Vt"], ["z"], name="third"),
+    ]
+    graph, costs = _one(nodes, [("x", [2, 4])], ["z"], {"W": _zeros(4, 4), "V": _zeros(4, 4)})
+    assert "fold" not in costs.nodes and "fold" in graph.constant_nodes
+    owned = {n: c.param_bytes for n, c in costs.nodes.items()}
+    assert owned == {"first": 64, "second": 0, "third": 64}
+    assert costs.nodes["second"].bytes_read == 32 + 64  # every reader still reads the weight
+    assert summarize(costs)[1]["params_bytes"] == 128
+
+
+def _loop_model(trip_count_input: bool):
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "W"], ["h2"], name="body_mm"), helper.make_node("Identity", ["c"], ["c2"], name="body_cond")],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", F, None)],
+        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", F, None)],
+    )
+    inits = {"W": _zeros(4, 4), "T": np.array(True)}
+    inputs = [helper.make_tensor_value_info("x", F, [2, 4])]
+    if trip_count_input:
+        inputs.append(helper.make_tensor_value_info("M", TensorProto.INT64, []))
+    else:
+        inits["M"] = np.array(3, np.int64)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"), helper.make_node("Loop", ["M", "T", "r"], ["y"], name="loop", body=body)],
+        "g", inputs, [helper.make_empty_tensor_value_info("y")], [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_loop_costs_its_body_times_a_constant_trip_count():
+    graph = load(_loop_model(trip_count_input=False))
+    loop = annotate(graph).nodes["loop"]
+    assert (loop.flops, loop.backward_flops, loop.known) == (3 * 2 * 8 * 4, 3 * 2 * 2 * 8 * 4, True)
+    assert loop.param_bytes == 64  # the captured weight
+
+
+def test_loop_with_unknown_trip_count_counts_once_and_is_flagged():
+    costs = annotate(load(_loop_model(trip_count_input=True)))
+    assert (costs.nodes["loop"].flops, costs.nodes["loop"].known) == (2 * 8 * 4, False)
+    assert costs.unknown_ops == ("Loop",)
+
+
+def test_if_costs_its_costlier_branch():
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["t"], name="then_mm")], "then", [], [helper.make_empty_tensor_value_info("t")])
+    other = helper.make_graph([helper.make_node("Add", ["x", "x"], ["e"], name="else_add")], "else", [], [helper.make_empty_tensor_value_info("e")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
+             helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=then, else_branch=other)]
+    _, costs = _one(nodes, [("x", [2, 4])], ["y"], {"W": _zeros(4, 4), "zero": np.array(0, np.float32)})
+    assert costs.nodes["branch"].flops == 2 * 8 * 4
+
+
+# --- published figures -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_size():
+    from onnxpipe import models
+
+    return {name: summarize(annotate(load(models.build(name)))) for name in ("resnet50", "vgg16")}
+
+
+@pytest.mark.parametrize(("name", "macs", "params"), [("resnet50", 4.1e9, 25.6e6), ("vgg16", 15.5e9, 138.4e6)])
+def test_published_figures(full_size, name, macs, params):
+    rows, totals = full_size[name]
+    assert totals["flops"] / 2 == pytest.approx(macs, rel=0.05)
+    assert totals["params_bytes"] / 4 == pytest.approx(params, rel=0.01)
+    assert rows[0].op_type == "Conv" and rows[0].flops_share > 0.95
+    assert totals["backward_flops"] == pytest.approx(2 * totals["flops"], rel=0.02)
+
+
+# --- measured mode and the round trip ----------------------------------------
+
+
+def _small_model():
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+        helper.make_node("Add", ["h", "b1"], ["hb"], name="bias1"),
+        helper.make_node("Relu", ["hb"], ["a"], name="relu"),
+        helper.make_node("Reshape", ["a", "shape"], ["r"], name="reshape"),
+        helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc2"),
+        helper.make_node("Softmax", ["y"], ["p"], name="softmax", axis=-1),
+    ]
+    inits = {"W1": np.full((16, 32), 0.1, np.float32), "b1": _zeros(32), "shape": np.array([8, 32], np.int64), "W2": np.full((32, 8), 0.1, np.float32)}
+    return _model(nodes, [("x", [8, 16])], ["p"], inits)
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    graph = load(_small_model())
+    return graph, annotate(graph, profile=True, runs=3, warmup=1)
+
+
+def test_profile_measures_every_compute_node(profiled):
+    graph, costs = profiled
+    assert costs.profiled and set(costs.nodes) == set(graph.compute_nodes)
+    for name, cost in costs.nodes.items():
+        assert cost.measured_seconds > 0 and cost.measured_backward_seconds > 0, name
+    totals = summarize(costs)[1]
+    assert totals["measured_seconds"] == pytest.approx(sum(c.measured_seconds for c in costs.nodes.values()))
+
+
+def test_annotated_model_round_trips(profiled, tmp_path):
+    graph, costs = profiled
+    assert read_annotated(graph) is None
+    path = tmp_path / "annotated.onnx"
+    write_annotated(graph, costs, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    again = read_annotated(load(path))
+    assert again == costs
+    props = {p.key: p.value for p in onnx.load(str(path)).graph.node[0].metadata_props}
+    assert props["onnxpipe.op_class"] == "matmul" and float(props["onnxpipe.flops"]) == 2 * 8 * 32 * 16
+    assert [p.name for p in tmp_path.iterdir()] == ["annotated.onnx"]
+
+
+def test_large_models_keep_weights_beside_the_annotated_file(profiled, tmp_path, monkeypatch):
+    import onnxpipe.cost
+
+    graph, costs = profiled
+    monkeypatch.setattr(onnxpipe.cost, "_EXTERNAL_DATA_BYTES", 1)
+    path = tmp_path / "big.onnx"
+    write_annotated(graph, costs, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
+    again = load(path)
+    assert read_annotated(again) == costs
+    assert np.array_equal(numpy_helper.to_array(next(t for t in again.model.graph.initializer if t.name == "W1")), np.full((16, 32), 0.1, np.float32))
+
+
+# --- command line --------------------------------------------------------------
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "onnxpipe", "annotate", *args], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_cli_annotate_writes_model_and_json(tmp_path):
+    model = _small_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    model.graph.node[3].input[1] = "shape_dyn"
+    model.graph.node.insert(3, helper.make_node("Shape", ["hb"], ["shape_dyn"], name="shape_of"))
+    src, out, summary = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "costs.json"
+    onnx.save(model, str(src))
+    run = _cli(str(src), "-o", str(out), "--json", str(summary), "--dim", "batch=4")
+    assert run.returncode == 0, run.stderr
+    assert "total: 7 nodes" in run.stdout and "warning" not in run.stderr
+    data = json.loads(summary.read_text())
+    assert set(data) >= {"totals", "op_types", "unknown_ops", "nodes"}
+    assert set(data["totals"]) >= {"flops", "params_bytes", "activation_bytes", "nodes"}
+    expected = summarize(annotate(load(model, {"batch": 4})))[1]
+    assert data["totals"]["flops"] == expected["flops"] == 2 * 4 * 32 * 16 + 4 * 32 + 4 * 32 + 2 * 4 * 32 * 8 + 5 * 4 * 8
+    assert read_annotated(load(out)) is not None
+
+
+def test_cli_annotate_rejects_a_bad_dim_in_one_line(tmp_path):
+    src = tmp_path / "m.onnx"
+    onnx.save(_small_model(), str(src))
+    run = _cli(str(src), "--dim", "batch=4")
+    assert run.returncode == 2
+    assert "names no symbolic dim" in run.stderr and "Traceback" not in run.stderr
