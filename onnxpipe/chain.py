@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, Stage, StageInput
 
-__all__ = ["chain", "run_pipeline", "check_feeds", "session"]
+__all__ = ["chain", "run_pipeline", "check_feeds", "session", "read_npz", "write_npz"]
 
 
 def session(path: str | os.PathLike) -> object:
@@ -127,3 +128,26 @@ class _StageWorker(threading.Thread):
         finally:
             for event in self.done:
                 event.set()
+
+
+def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Arrays of an .npz file by name."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except FileNotFoundError:
+        raise OnnxpipeError(f"{path}: no such file; pass an .npz with one array per model input (np.savez)") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise OnnxpipeError(f"{path}: not a readable .npz ({exc}); write it with np.savez(path, name=array, ...)") from exc
+
+
+def write_npz(arrays: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
+    """Write atomically: a temp file beside the target, then renamed."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp.npz")
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OnnxpipeError(f"{target}: cannot write ({exc.strerror}); choose another -o") from exc

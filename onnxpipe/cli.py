@@ -211,3 +211,112 @@ def annotate(
     if json_file:
         write_summary(costs, json_file)
         console.print(f"wrote {escape(json_file)}", highlight=False)
+
+
+# --- split, verify, run ----------------------------------------------------
+
+
+@app.command()
+@friendly
+def split(
+    model: str = typer.Argument(..., help="The .onnx model to cut."),
+    target: str = typer.Option(..., "--target", "-t", help="A bundled target name or a .toml target file."),
+    output: str = typer.Option(None, "-o", "--output", help="Stage directory to write (default: <model stem>-stages beside the model)."),
+    stages: int = typer.Option(None, "--stages", help="Number of stages (default: the planner chooses)."),
+    batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
+    microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches per iteration."),
+    schedule: str = typer.Option(None, "--schedule", help="Pipeline schedule: gpipe or 1f1b."),
+    optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
+    recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
+    time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
+    dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
+    plan_file: str = typer.Option(None, "--plan", help="Reuse a plan JSON written by `onnxpipe plan` or an earlier split."),
+    cuts: str = typer.Option(None, "--cuts", help="Cut by hand after these tensors, comma-separated in data-flow order; devices in target order."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output directory."),
+    annotated: str = typer.Option(None, "--annotated", help="Also write the model with each node tagged by its stage (metadata onnxpipe.stage)."),
+) -> None:
+    """Cut a model into pipeline stages: one standalone ONNX model per stage plus manifest.json and plan.json."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from onnxpipe.cost import annotate as annotate_costs
+    from onnxpipe.graph import load
+    from onnxpipe.plan.result import Plan
+    from onnxpipe.split import plan_cuts
+    from onnxpipe.split import split as split_model
+    from onnxpipe.target import load_target
+    from onnxpipe.units import format_bytes
+
+    graph = load(model, parse_dims(dim))
+    options = {key: value for key, value in {"batch": batch, "microbatches": microbatches, "schedule": schedule, "optimizer": optimizer,
+                                              "recompute": recompute}.items() if value is not None}
+    if plan_file:
+        plan = Plan.read(plan_file)
+    elif cuts:
+        plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
+    else:
+        from onnxpipe.plan import plan as solve
+
+        extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
+        plan = solve(graph, annotate_costs(graph), load_target(target), **options, **extra)
+    out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
+    manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
+
+    table = Table(title=f"{len(manifest.stages)} stages of {escape(graph.source)} on {escape(plan.target)}")
+    for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
+    for s in manifest.stages:
+        table.add_row(str(s.index), escape(", ".join(s.devices)), str(s.nodes), format_bytes(s.parameter_bytes), str(len(s.inputs)),
+                      str(len(s.outputs)), format_bytes(s.file_bytes))
+    console.print(table)
+    if manifest.shared:
+        console.print(f"shared initializers (copied into several stages): {escape(', '.join(s.name for s in manifest.shared))}", highlight=False)
+    console.print(f"wrote {escape(out)}/ (stage_*.onnx, manifest.json, plan.json)", highlight=False)
+    if annotated:
+        console.print(f"wrote {escape(annotated)}", highlight=False)
+
+
+@app.command()
+@friendly
+def verify(
+    directory: str = typer.Argument(..., help="Stage directory written by `onnxpipe split`."),
+    model: str = typer.Argument(..., help="The unsplit .onnx model."),
+    samples: int = typer.Option(2, "--samples", help="Random input sets to compare on."),
+    seed: int = typer.Option(0, "--seed", help="Random seed of the inputs."),
+    dim: list[str] = typer.Option(None, "--dim", help="The dims the stages were split with, NAME=VALUE."),
+) -> None:
+    """Compare the chained stages with the unsplit model on random inputs; exit 1 if an output differs."""
+    from rich.table import Table
+
+    from onnxpipe.verify import TOLERANCE
+    from onnxpipe.verify import verify as verify_stages
+
+    errors = verify_stages(directory, model, dims=parse_dims(dim), samples=samples, seed=seed)
+    table = Table(title=f"chained stages vs {escape(model)} ({samples} random input sets)")
+    for column in ("output", "max relative error", ""):
+        table.add_column(column, justify="right" if column else "left")
+    for name, error in errors.items():
+        table.add_row(escape(name), f"{error:.2e}", "ok" if error <= TOLERANCE else "[red]FAIL[/]")
+    console.print(table)
+    bad = [name for name, error in errors.items() if error > TOLERANCE]
+    if bad:
+        err_console.print(f"[bold red]error:[/] output '{escape(bad[0])}' differs by {errors[bad[0]]:.2e} relative (> {TOLERANCE:g})", highlight=False)
+        sys.exit(1)
+    console.print(f"all {len(errors)} outputs match within {TOLERANCE:g} relative", highlight=False)
+
+
+@app.command()
+@friendly
+def run(
+    directory: str = typer.Argument(..., help="Stage directory written by `onnxpipe split`."),
+    inputs: str = typer.Option(..., "--inputs", help="An .npz with one array per model input."),
+    output: str = typer.Option(..., "-o", "--output", help="The .npz to write, one array per model output."),
+    microbatches: int = typer.Option(1, "--microbatches", help="Cut the inputs along axis 0 into this many micro-batches and pipeline them."),
+) -> None:
+    """Run a stage directory as an inference pipeline on onnxruntime."""
+    from onnxpipe.chain import read_npz, run_pipeline, write_npz
+
+    outputs = run_pipeline(directory, read_npz(inputs), microbatches=microbatches)
+    write_npz(outputs, output)
+    console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)

@@ -22,12 +22,19 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxpipe.cost import Costs
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
+from onnxpipe.plan.evaluate import Assignment, evaluate
+from onnxpipe.plan.problem import build_problem
 from onnxpipe.plan.result import Plan
+from onnxpipe.target import Target
 
-__all__ = ["split", "cut_stages", "annotate_stages", "STAGE_METADATA_KEY", "MAX_IR_VERSION"]
+__all__ = ["split", "cut_stages", "plan_cuts", "annotate_stages", "STAGE_METADATA_KEY", "MAX_IR_VERSION", "RECOMPUTE_POLICIES"]
+
+#: Activation policies for hand-given cuts: "auto" recomputes only in stages that would not fit otherwise.
+RECOMPUTE_POLICIES = ("auto", "never", "always")
 
 #: Node metadata key holding the stage index in annotated models.
 STAGE_METADATA_KEY = "onnxpipe.stage"
@@ -382,6 +389,25 @@ def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]
         raise OnnxpipeError(f"--cuts: tensor '{cuts[-1]}' is produced by the last node, leaving the last stage empty; drop it")
     bounds = [0, *(e + 1 for e in ends), len(compute)]
     return tuple(compute[a:b] for a, b in zip(bounds, bounds[1:]))
+
+
+def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *, batch: int | None = None, microbatches: int = 1,
+              schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto") -> Plan:
+    """A priced plan for hand-given cuts, one device per stage taken in the target's order."""
+    if recompute not in RECOMPUTE_POLICIES:
+        raise OnnxpipeError(f"--recompute {recompute}: choose one of {', '.join(RECOMPUTE_POLICIES)}")
+    groups = cut_stages(graph, cuts)
+    if len(groups) > len(target.devices):
+        raise OnnxpipeError(f"--cuts: {len(groups)} stages need {len(groups)} devices; target {target.name} has {len(target.devices)}, give fewer cuts")
+    problem = build_problem(graph, costs, target, batch=batch or graph.batch * microbatches, microbatches=microbatches,
+                            schedule=schedule, optimizer=optimizer)
+    devices = tuple((d.name,) for d in target.devices[: len(groups)])
+    plan = evaluate(problem, Assignment(groups, devices, (recompute == "always",) * len(groups)))
+    if recompute == "auto":
+        over = tuple(s.memory.total > s.memory.capacity for s in plan.stages)
+        if any(over):
+            plan = evaluate(problem, Assignment(groups, devices, over))
+    return plan
 
 
 def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
