@@ -7,7 +7,7 @@ Convention: 2 FLOPs per multiply-add; a bias add is 1 FLOP per output element; s
 factors (Gemm alpha/beta) are free. Per-element costs of the elementwise, norm and reduce
 tables are nominal: 1 for arithmetic, 4 for a transcendental function, and the count of
 such steps for composite ops (LayerNormalization: mean, subtract, square, variance sum,
-rsqrt-multiply, scale, shift = 8).
+rsqrt-multiply, scale, shift = 8; SoftmaxCrossEntropyLoss: log-softmax 5 + pick and mean 1).
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ _NORM = {
     "LpNormalization": 3,
     "Softmax": 5,
     "LogSoftmax": 5,
+    "SoftmaxCrossEntropyLoss": 6,
 }
 #: FLOPs per element of the first input.
 _REDUCE = {
     **dict.fromkeys(("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceLogSum",
-                     "ArgMax", "ArgMin", "CumSum", "TopK"), 1),
+                     "ArgMax", "ArgMin", "CumSum", "TopK", "NegativeLogLikelihoodLoss"), 1),
     **dict.fromkeys(("ReduceL2", "ReduceSumSquare", "ReduceLogSumExp"), 2),
 }
 _DATA = frozenset({
