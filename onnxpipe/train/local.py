@@ -1,0 +1,77 @@
+"""All stages in one process, running the same lowered schedule tables as the workers: the engine of
+the tests and of the unpartitioned reference.
+
+Each step the driver posts the micro-batches' model inputs, then stages take turns: a stage runs
+actions until one would wait for data another stage has not sent yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.schedule import Action
+from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec
+from onnxpipe.train.transport import LocalTransport
+
+__all__ = ["LocalPipeline"]
+
+
+class LocalPipeline:
+    def __init__(self, specs: Sequence[StageSpec]) -> None:
+        self.specs = tuple(specs)
+        self.runners = [StageRunner(s) for s in self.specs]
+        self._inboxes: dict[int, dict[tuple[str, int], np.ndarray]] = {}
+        self.programs = [StageProgram(r, LocalTransport(self._inboxes, s.index)) for r, s in zip(self.runners, self.specs)]
+        self._driver = LocalTransport(self._inboxes, -1)
+
+    def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
+        """One step over the micro-batches; returns the mean loss."""
+        self._post(microbatches)
+        cursors = [0] * len(self.programs)
+        while True:
+            progress = False
+            for p, prog in enumerate(self.programs):
+                actions = prog.runner.spec.actions
+                while cursors[p] < len(actions) and prog.ready(actions[cursor := cursors[p]]):
+                    prog.perform(actions[cursor])
+                    cursors[p] += 1
+                    progress = True
+            if all(c == len(prog.runner.spec.actions) for c, prog in zip(cursors, self.programs)):
+                break
+            if not progress:
+                stuck = next(p for p, prog in enumerate(self.programs) if cursors[p] < len(prog.runner.spec.actions))
+                raise OnnxpipeError(f"pipeline stalled: stage {stuck} waits at {self.programs[stuck].runner.spec.actions[cursors[stuck]]}")
+        losses = [x for r in self.runners for x in r.take_losses()]
+        return float(np.mean(losses))
+
+    def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Forward only; per micro-batch, every stage output (loss included)."""
+        results: list[dict[str, np.ndarray]] = []
+        for mb in microbatches:
+            values = dict(mb)
+            for r in self.runners:
+                feeds = {x: values[x] for x in r.spec.graphs.inputs}
+                out = r.forward(0, feeds, train=False)
+                values.update(out)
+            results.append(values)
+        return results
+
+    def traces(self) -> list[list[Action]]:
+        return [p.trace for p in self.programs]
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Every stage's weights (a tied weight once: its copies are equal)."""
+        out: dict[str, np.ndarray] = {}
+        for r in self.runners:
+            for k, v in r.params.items():
+                out.setdefault(k, v)
+        return out
+
+    def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
+        for spec in self.specs:
+            for i, mb in enumerate(microbatches):
+                for name in spec.wiring.model_inputs:
+                    self._driver.send(spec.index, name, i, mb[name])

@@ -1,0 +1,128 @@
+"""From a stage directory (or one whole model) to the picklable `StageSpec`s the runners execute.
+
+Reading order: `TrainConfig` -> `prepare_stages` (stage directory) -> `_wire` -> `prepare_single`
+(the unpartitioned model as one stage: the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.manifest import Manifest, StageInput
+from onnxpipe.schedule import add_communication, build
+from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
+from onnxpipe.train.loss import LossSpec, append_loss, labels_info
+from onnxpipe.train.optimizer import OptimizerConfig
+from onnxpipe.train.stage import StageSpec, Wiring
+
+__all__ = ["TrainConfig", "RECOMPUTE", "prepare_stages", "prepare_single", "model_inputs"]
+
+RECOMPUTE = ("auto", "always", "never")
+_FLOATS = ("float16", "float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    #: Needed when the model has no loss output.
+    loss: LossSpec | None = None
+    #: "auto": the plan's choice per stage (`Stage.recompute`); "always" / "never" override it.
+    recompute: str = "auto"
+    #: Intra-op threads per stage session.
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise OnnxpipeError(f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+
+
+def _loss_name(manifest: Manifest, config: TrainConfig) -> str:
+    if config.loss is not None:
+        return config.loss.name
+    if manifest.loss is None:
+        outs = ", ".join(o.name for o in manifest.outputs)
+        raise OnnxpipeError(f"model {manifest.model!r} has no loss output; add one with --loss cross_entropy|mse --labels NAME on one of its outputs ({outs})")
+    return manifest.loss
+
+
+def model_inputs(manifest: Manifest, config: TrainConfig) -> tuple[StageInput, ...]:
+    """Every input the driver feeds per micro-batch (labels of an appended loss included)."""
+    extra: tuple[StageInput, ...] = ()
+    if config.loss is not None:
+        out = next((o for o in manifest.outputs if o.name == config.loss.output), None)
+        if out is None:
+            raise OnnxpipeError(f"--loss: the model has no output {config.loss.output!r}; its outputs: {', '.join(o.name for o in manifest.outputs)}")
+        dtype, shape = labels_info(config.loss, out.shape)
+        extra = (StageInput(config.loss.labels, dtype, shape, "model"),)
+    return tuple(manifest.inputs) + extra
+
+
+def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfig, threads: tuple[int, ...] | None = None) -> tuple[StageSpec, ...]:
+    """Stage graphs built last stage first (a stage's gradient outputs depend on what later stages send back), wired, with their schedule rows."""
+    directory = Path(directory)
+    loss = _loss_name(manifest, config)
+    k = len(manifest.stages)
+    table = add_communication(build(config.schedule, k, config.microbatches))
+    graphs: dict[int, StageGraphs] = {}
+    grad_readers: dict[str, list[int]] = {}
+    models = {}
+    for st in manifest.stages:
+        path = directory / st.file
+        if not path.is_file():
+            raise OnnxpipeError(f"{path}: stage file missing; rewrite the directory with `onnxpipe split`")
+        model = onnx.load(str(path))
+        if config.loss is not None and any(o.name == config.loss.output for o in model.graph.output):
+            model = append_loss(model, config.loss)
+        models[st.index] = model
+    holder = {o.name: s.index for s in manifest.stages for o in s.outputs}
+    for st in reversed(manifest.stages):
+        model = models[st.index]
+        recompute = st.recompute if config.recompute == "auto" else config.recompute == "always"
+        grad_inputs = [i.name for i in st.inputs if isinstance(i.source, int) and i.dtype in _FLOATS]
+        grad_outputs = [o.name for o in st.outputs if o.name in grad_readers]
+        has_loss = loss in {o.name for o in model.graph.output}
+        g = build_stage_graphs(
+            model, params=st.parameters, grad_inputs=grad_inputs, grad_outputs=grad_outputs,
+            loss=loss if has_loss else None, recompute=recompute, origin=f"stage {st.index} ({st.file})",
+        )
+        graphs[st.index] = g
+        for name in g.grad_inputs:
+            grad_readers.setdefault(name, []).append(st.index)
+    if not any(g.loss for g in graphs.values()):
+        raise OnnxpipeError(f"no stage computes the loss {loss!r}; check the manifest's loss field or --loss")
+    shared = {s.name: s.stages for s in manifest.shared}
+    specs = []
+    for st in manifest.stages:
+        g = graphs[st.index]
+        wiring = Wiring(
+            model_inputs=tuple(i for i in g.inputs if not any(x.name == i and isinstance(x.source, int) for x in st.inputs)),
+            recv_f=tuple((i.name, i.source) for i in st.inputs if isinstance(i.source, int)),
+            send_f=tuple((o.name, tuple(c for c in o.consumers if isinstance(c, int))) for o in st.outputs if any(isinstance(c, int) for c in o.consumers)),
+            recv_b=tuple((o, tuple(sorted(grad_readers[o]))) for o in g.grad_outputs),
+            send_b=tuple((i, holder[i]) for i in g.grad_inputs),
+            shared=tuple((p, tuple(x for x in shared[p] if x != st.index)) for p in g.trained if p in shared),
+        )
+        specs.append(StageSpec(st.index, g, wiring, table[st.index], config.microbatches, config.optimizer,
+                               threads[st.index] if threads else config.threads))
+    return tuple(specs)
+
+
+def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None = None) -> StageSpec:
+    """The whole model as one stage, trained on the same micro-batches: the reference for pipelined training."""
+    if config.loss is not None:
+        model = append_loss(model, config.loss)
+        loss = config.loss.name
+    if loss is None:
+        raise OnnxpipeError("the model has no loss output; add one with --loss cross_entropy|mse --labels NAME")
+    params = [t.name for t in model.graph.initializer if is_trainable_initializer(t)]
+    g = build_stage_graphs(model, params=params, grad_inputs=(), grad_outputs=(), loss=loss,
+                           recompute=False, origin=f"model {model.graph.name or '<model>'}")
+    table = add_communication(build(config.schedule, 1, config.microbatches))
+    inputs = tuple(i for i in g.inputs)
+    return StageSpec(0, g, Wiring(inputs, (), (), (), ()), table[0], config.microbatches, config.optimizer, config.threads)

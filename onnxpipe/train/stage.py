@@ -1,0 +1,219 @@
+"""One stage at run time: its sessions, weights, gradient sums and stash (`StageRunner`), and the
+interpreter of its lowered schedule row (`StageProgram`), identical in-process and in a worker.
+
+Reading order: `Wiring` -> `StageSpec` -> `StageRunner` (forward, backward, step) -> `StageProgram`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnxpipe.schedule import Action
+from onnxpipe.train.graphs import StageGraphs, grad_input_name, grad_name
+from onnxpipe.train.optimizer import Optimizer, OptimizerConfig
+from onnxpipe.train.transport import Transport, grad_key, shared_key
+
+__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session"]
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Where a stage's tensors come from and go to."""
+
+    #: Data inputs fed by the driver (model inputs, labels).
+    model_inputs: tuple[str, ...]
+    #: Activation inputs and their producing stage.
+    recv_f: tuple[tuple[str, int], ...]
+    #: Outputs and the stages that read them.
+    send_f: tuple[tuple[str, tuple[int, ...]], ...]
+    #: Gradient-taking outputs and the stages that send their gradients.
+    recv_b: tuple[tuple[str, tuple[int, ...]], ...]
+    #: Inputs whose gradient goes back, and to which stage.
+    send_b: tuple[tuple[str, int], ...]
+    #: Tied parameters and the other stages holding a copy.
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """All a worker needs to run one stage (picklable)."""
+
+    index: int
+    graphs: StageGraphs
+    wiring: Wiring
+    #: This stage's row of the lowered schedule table.
+    actions: tuple[Action, ...]
+    microbatches: int
+    optimizer: OptimizerConfig
+    threads: int = 1
+
+
+def make_session(model: bytes, threads: int):  # -> onnxruntime.InferenceSession
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = max(1, threads)
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+@dataclass
+class StageRunner:
+    """Forward/backward of one stage over micro-batches, gradient sums, and the optimizer step."""
+
+    spec: StageSpec
+    params: dict[str, np.ndarray] = field(init=False)
+    busy_seconds: float = 0.0
+    peak_stash_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        g = self.spec.graphs
+        self.params = {k: v.copy() for k, v in g.initial.items()}
+        self.optimizer = Optimizer(self.spec.optimizer)
+        self._forward = make_session(g.forward, self.spec.threads)
+        self._backward = make_session(g.backward, self.spec.threads) if g.backward else None
+        self._fwd_names = list(dict.fromkeys(g.outputs + ((g.loss,) if g.loss else ()) + g.stash))
+        self._bwd_grads = [grad_name(x) for x in g.grad_inputs + g.trained]
+        self._stash: dict[int, dict[str, np.ndarray]] = {}
+        self._stash_bytes = 0
+        self.grads: dict[str, np.ndarray] = {}
+        self.losses: dict[int, float] = {}
+
+    def forward(self, microbatch: int, feeds: dict[str, np.ndarray], train: bool = True) -> dict[str, np.ndarray]:
+        g = self.spec.graphs
+        start = time.perf_counter()
+        names = self._fwd_names if train else list(g.outputs) + ([g.loss] if g.loss else [])
+        values = self._forward.run(names, {**feeds, **self.params})
+        self.busy_seconds += time.perf_counter() - start
+        result = dict(zip(names, values))
+        if g.loss and train:
+            self.losses[microbatch] = float(result[g.loss])
+        if train and self._backward is not None:
+            keep = {x: result[x] if x in result else feeds[x] for x in g.backward_inputs if x not in self.params}
+            self._stash[microbatch] = keep
+            self._stash_bytes += sum(v.nbytes for v in keep.values())
+            self.peak_stash_bytes = max(self.peak_stash_bytes, self._stash_bytes)
+        return {x: result[x] for x in g.outputs + ((g.loss,) if g.loss else ())}
+
+    def backward(self, microbatch: int, output_grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        g = self.spec.graphs
+        if self._backward is None:
+            return {}
+        keep = self._stash.pop(microbatch)
+        self._stash_bytes -= sum(v.nbytes for v in keep.values())
+        feeds = {**keep, **{x: self.params[x] for x in g.backward_inputs if x in self.params}}
+        feeds.update({grad_input_name(o): output_grads[o] for o in g.grad_outputs})
+        start = time.perf_counter()
+        values = self._backward.run(self._bwd_grads, feeds)
+        n = len(g.grad_inputs)
+        for name, value in zip(g.trained, values[n:]):
+            acc = self.grads.get(name)
+            self.grads[name] = value if acc is None else acc + value
+        self.busy_seconds += time.perf_counter() - start
+        return dict(zip(g.grad_inputs, values[:n]))
+
+    def mean_grads(self) -> dict[str, np.ndarray]:
+        """Gradients of the mean loss over the step's micro-batches."""
+        scale = np.float32(1.0 / self.spec.microbatches)
+        return {k: v * scale for k, v in self.grads.items()}
+
+    def step(self, grads: dict[str, np.ndarray]) -> None:
+        start = time.perf_counter()
+        self.optimizer.step(self.params, grads)
+        self.grads = {}
+        self.busy_seconds += time.perf_counter() - start
+
+    def take_losses(self) -> list[float]:
+        out = [self.losses[i] for i in sorted(self.losses)]
+        self.losses = {}
+        return out
+
+
+class StageProgram:
+    """Runs a stage's lowered actions against a transport; `trace` records what ran, in order."""
+
+    def __init__(self, runner: StageRunner, transport: Transport) -> None:
+        self.runner = runner
+        self.transport = transport
+        self.trace: list[Action] = []
+        self._inbox: dict[int, dict[str, np.ndarray]] = {}
+        self._outbox: dict[int, dict[str, np.ndarray]] = {}
+        self._grads_in: dict[int, dict[str, np.ndarray]] = {}
+        self._sent_shared = False
+
+    def needs(self, action: Action) -> list[tuple[str, int]]:
+        """Transport keys an action waits for (so a cooperative runner can tell whether it would block)."""
+        w = self.runner.spec.wiring
+        i = action.microbatch
+        if action.op == "RECV_F":
+            return [(t, i) for t, _ in w.recv_f]
+        if action.op == "F":
+            return [(t, i) for t in w.model_inputs]
+        if action.op == "RECV_B":
+            return [(grad_key(t, src), i) for t, srcs in w.recv_b for src in srcs]
+        if action.op == "STEP":
+            me = self.runner.spec.index
+            return [(shared_key(p, other), -1) for p, others in w.shared for other in others if other != me]
+        return []
+
+    def ready(self, action: Action) -> bool:
+        if action.op == "STEP":
+            self._send_shared()
+        return all(self.transport.ready(k, i) for k, i in self.needs(action))
+
+    def perform(self, action: Action) -> None:
+        w, r, i = self.runner.spec.wiring, self.runner, action.microbatch
+        me = r.spec.index
+        if action.op == "RECV_F":
+            self._inbox.setdefault(i, {}).update({t: self.transport.recv(t, i) for t, _ in w.recv_f})
+        elif action.op == "F":
+            feeds = self._inbox.pop(i, {})
+            feeds.update({t: self.transport.recv(t, i) for t in w.model_inputs})
+            self._outbox[i] = r.forward(i, feeds)
+            if not w.send_f:
+                self._outbox.pop(i)
+        elif action.op == "SEND_F":
+            out = self._outbox.pop(i)
+            for t, dsts in w.send_f:
+                for dst in dsts:
+                    self.transport.send(dst, t, i, out[t])
+        elif action.op == "RECV_B":
+            got: dict[str, np.ndarray] = {}
+            for t, srcs in w.recv_b:
+                parts = [self.transport.recv(grad_key(t, src), i) for src in srcs]
+                got[t] = parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+            self._grads_in[i] = got
+        elif action.op == "B":
+            self._outbox[i] = r.backward(i, self._grads_in.pop(i, {}))
+        elif action.op == "SEND_B":
+            out = self._outbox.pop(i)
+            for t, src in w.send_b:
+                self.transport.send(src, grad_key(t, me), i, out[t])
+        elif action.op == "STEP":
+            self._send_shared()
+            grads = r.mean_grads()
+            for p, others in w.shared:
+                holders = sorted((me, *others))
+                parts = {h: grads[p] if h == me else self.transport.recv(shared_key(p, h), -1) for h in holders}
+                total = parts[holders[0]]
+                for h in holders[1:]:
+                    total = total + parts[h]
+                grads[p] = total
+            self._sent_shared = False
+            r.step(grads)
+        self.trace.append(action)
+
+    def _send_shared(self) -> None:
+        if self._sent_shared:
+            return
+        me = self.runner.spec.index
+        grads = self.runner.mean_grads() if self.runner.spec.wiring.shared else {}
+        for p, others in self.runner.spec.wiring.shared:
+            for other in others:
+                if other != me:
+                    self.transport.send(other, shared_key(p, me), -1, grads[p])
+        self._sent_shared = True
