@@ -1,1 +1,30 @@
-"""Planner: CP-SAT formulation, coarsening, baselines, lower bounds and schedule exploration."""
+"""Planner: coarsening, an interval DP, CP-SAT, baselines, lower bounds and schedule exploration.
+
+`plan` finds a plan; `evaluate` prices any assignment the same way (split's hand-given cuts, the
+baselines); `lower_bound` says what no plan can beat; `baselines` shows what others would do.
+"""
+
+from onnxpipe.plan.baselines import baselines
+from onnxpipe.plan.bounds import LowerBound, lower_bound
+from onnxpipe.plan.evaluate import Assignment, evaluate, fits
+from onnxpipe.plan.planner import plan, plan_model
+from onnxpipe.plan.problem import Problem, build_problem
+from onnxpipe.plan.result import Candidate, Memory, Plan, SolveInfo, StagePlan
+
+__all__ = [
+    "plan",
+    "plan_model",
+    "evaluate",
+    "fits",
+    "Assignment",
+    "lower_bound",
+    "LowerBound",
+    "baselines",
+    "Problem",
+    "build_problem",
+    "Plan",
+    "StagePlan",
+    "Memory",
+    "SolveInfo",
+    "Candidate",
+]

@@ -1,8 +1,9 @@
 """Coarsening: contract runs of the topological order into blocks whose boundaries sit where few bytes
 are live, so the solvers see hundreds of blocks instead of thousands of nodes.
 
-Rounding any cut of the node-level problem to the nearest block boundary moves at most one block of
-work, so `max_block_seconds` bounds what coarsening can cost in compute (boundary traffic aside).
+Rounding a cut of the node-level problem that falls inside a block to that block's nearer boundary
+(by work) moves at most `rounding_seconds` of work onto a stage: what coarsening can cost in compute
+(boundary traffic aside).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class Blocks:
     producer: np.ndarray
     nbytes: np.ndarray
     consumers: tuple[np.ndarray, ...]
-    #: Heaviest block (forward + recomputed forward + backward on the slowest group).
-    max_block_seconds: float
+    #: Most work (forward + recomputed forward + backward, slowest group) a cut inside a block moves
+    #: when rounded to the block's nearer boundary.
+    rounding_seconds: float
 
     @property
     def count(self) -> int:
@@ -101,5 +103,18 @@ def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
         producer=np.array(producer, dtype=np.int64),
         nbytes=np.array(nbytes, dtype=float),
         consumers=tuple(consumers),
-        max_block_seconds=float((2 * forward + backward).max()),
+        rounding_seconds=_rounding(problem, starts),
     )
+
+
+def _rounding(problem: Problem, starts: np.ndarray) -> float:
+    work = (2 * problem.forward + problem.backward).max(axis=0)
+    cumulative = np.concatenate([[0.0], np.cumsum(work)])
+    block_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    inner = np.arange(problem.n)[np.arange(problem.n) != starts[block_of]]
+    if not len(inner):
+        return 0.0
+    owner = block_of[inner]
+    left = cumulative[inner] - cumulative[starts[owner]]
+    right = cumulative[starts[owner + 1]] - cumulative[inner]
+    return float(np.minimum(left, right).max())

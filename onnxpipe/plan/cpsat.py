@@ -1,0 +1,216 @@
+"""CP-SAT over blocks: any assignment where data flows forward (not only intervals of one order),
+with device group, replica count and recompute chosen per stage, warm-started from the DP and
+stopped at a time limit with its proven bound.
+
+The stage-time model is the DP's (see `onnxpipe.plan.dp`) in integer nanoseconds, except that a
+tensor is counted once per stage that receives it and sends use the link to the next stage's group. Memory is in KiB, rounded against the plan.
+
+Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `_hint`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from onnxpipe.plan.coarsen import Blocks
+from onnxpipe.plan.dp import allreduce_affine
+from onnxpipe.plan.layout import Layout
+from onnxpipe.plan.problem import Problem, in_flight
+
+__all__ = ["CpResult", "solve_cpsat"]
+
+_NS = 1e9
+_KIB = 1024.0
+
+
+@dataclass(frozen=True)
+class CpResult:
+    #: None when CP-SAT found nothing (the hint, if any, was infeasible or time ran out).
+    layout: Layout | None
+    #: "OPTIMAL", "FEASIBLE", "INFEASIBLE" or "UNKNOWN".
+    status: str
+    #: The model's objective and proven bound, in seconds per micro-batch.
+    objective_seconds: float
+    bound_seconds: float
+    wall_seconds: float
+
+
+def solve_cpsat(
+    problem: Problem,
+    blocks: Blocks,
+    stages: int,
+    *,
+    recompute: str = "auto",
+    replicas: bool = True,
+    hint: Layout | None = None,
+    floor_seconds: float = 0.0,
+    time_limit: float = 30.0,
+    workers: int | None = None,
+    progress: Callable[[float, float], None] | None = None,
+) -> CpResult:
+    """Minimise the bottleneck seconds per micro-batch; `floor_seconds` is a known valid lower bound."""
+    model = _Model(problem, blocks, stages, recompute, replicas)
+    model.cp.Add(model.bottleneck >= int(math.floor(floor_seconds * _NS)))
+    if hint is not None:
+        model.hint(hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    solver.parameters.num_workers = workers or max(1, os.cpu_count() or 1)
+    callback = _Progress(progress) if progress else None
+    status = solver.Solve(model.cp, callback) if callback else solver.Solve(model.cp)
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return CpResult(None, name, math.inf, solver.BestObjectiveBound() / _NS if status == cp_model.UNKNOWN else math.inf, solver.WallTime())
+    return CpResult(model.layout(solver), name, solver.ObjectiveValue() / _NS, solver.BestObjectiveBound() / _NS, solver.WallTime())
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    def __init__(self, report: Callable[[float, float], None]) -> None:
+        super().__init__()
+        self._report = report
+
+    def on_solution_callback(self) -> None:
+        self._report(self.ObjectiveValue() / _NS, self.BestObjectiveBound() / _NS)
+
+
+class _Model:
+    def __init__(self, problem: Problem, blocks: Blocks, stages: int, recompute: str, replicas: bool) -> None:
+        self.problem, self.blocks, self.k = problem, blocks, stages
+        cp = self.cp = cp_model.CpModel()
+        nb, k = blocks.count, stages
+        counts = [len(d) for d in problem.group_devices]
+        most = max(1, sum(counts) - k + 1) if replicas else 1
+        self.x = [[cp.NewBoolVar("") for _ in range(k)] for _ in range(nb)]
+        for b in range(nb):
+            cp.AddExactlyOne(self.x[b])
+        for s in range(k):
+            cp.AddBoolOr([self.x[b][s] for b in range(nb)])
+        stage = [sum(s * self.x[b][s] for s in range(1, k)) for b in range(nb)]
+        edges = {(int(p), int(c)) for p, cs in zip(blocks.producer, blocks.consumers) if p >= 0 for c in cs}
+        for p, c in sorted(edges):
+            cp.Add(stage[p] <= stage[c])
+        # Per stage: one (group, replicas) choice and a recompute flag.
+        self.options = [(g, r) for g in range(len(counts)) for r in range(1, min(counts[g], most) + 1)]
+        self.y = [[cp.NewBoolVar("") for _ in self.options] for _ in range(k)]
+        for s in range(k):
+            cp.AddExactlyOne(self.y[s])
+        for g, c in enumerate(counts):
+            cp.Add(sum(r * self.y[s][o] for s in range(k) for o, (h, r) in enumerate(self.options) if h == g) <= c)
+        self.in_group = [[cp.NewBoolVar("") for _ in counts] for _ in range(k)]
+        for s in range(k):
+            for g in range(len(counts)):
+                cp.Add(self.in_group[s][g] == sum(self.y[s][o] for o, (h, _) in enumerate(self.options) if h == g))
+        self.rc = [cp.NewBoolVar("") for _ in range(k)]
+        for v in self.rc:
+            if recompute != "auto":
+                cp.Add(v == (recompute == "always"))
+        # Crossing tensors: received[t][s] (per stage that reads it from elsewhere), sent[t][s] (messages out).
+        self.received, self.sent, self.inputs = [], [], []
+        for p, cs in zip(blocks.producer, blocks.consumers):
+            recv = [cp.NewBoolVar("") for _ in range(k)]
+            for s in range(k):
+                for c in cs:
+                    cp.Add(recv[s] >= self.x[c][s] - (self.x[p][s] if p >= 0 else 0))
+            if p < 0:
+                self.inputs.append(recv)
+                self.received.append(None)
+                self.sent.append(None)
+                continue
+            self.inputs.append(None)
+            self.received.append(recv)
+            total = sum(recv)
+            sent = [cp.NewIntVar(0, k - 1, "") for _ in range(k)]
+            for s in range(k):
+                cp.Add(sent[s] >= total - (k - 1) * (1 - self.x[p][s]))
+            self.sent.append(sent)
+        self.bottleneck = cp.NewIntVar(0, 2**50, "T")
+        self._stage_constraints(recompute)
+        cp.Minimize(self.bottleneck)
+
+    def _stage_constraints(self, recompute: str) -> None:
+        problem, blocks, cp, k = self.problem, self.blocks, self.cp, self.k
+        flights = in_flight(problem.schedule, k, problem.microbatches)
+        crossing = [t for t, r in enumerate(self.received) if r is not None]
+        reads = [t for t, r in enumerate(self.inputs) if r is not None]
+        state = blocks.params * (2.0 + problem.optimizer_states)
+        m = problem.microbatches
+        for s in range(k):
+            comp, comm_in, comm_out, ar = (cp.NewIntVar(0, 2**50, "") for _ in range(4))
+            cp.Add(self.bottleneck >= comp + comm_in + comm_out + ar)
+            for o, (g, r) in enumerate(self.options):
+                y = self.y[s][o]
+                for rc in (False, True):
+                    if (recompute == "always" and not rc) or (recompute == "never" and rc):
+                        continue
+                    flag = self.rc[s] if rc else self.rc[s].Not()
+                    seconds = (blocks.forward[g] * (2 if rc else 1) + blocks.backward[g]) / r
+                    cp.Add(comp >= _dot(self.x, s, seconds * _NS, math.ceil)).OnlyEnforceIf([y, flag])
+                    cap = int(problem.capacity[g] // _KIB)
+                    if rc:
+                        stash = sum(self.received[t][s] * _ceil(blocks.nbytes[t] * flights[s] / r / _KIB) for t in crossing)
+                        stash += sum(self.inputs[t][s] * _ceil(blocks.nbytes[t] * flights[s] / r / _KIB) for t in reads)
+                        need = _dot(self.x, s, (state + blocks.activations / r) / _KIB, math.ceil) + stash
+                    else:
+                        need = _dot(self.x, s, (state + flights[s] * blocks.activations / r) / _KIB, math.ceil)
+                    cp.Add(need <= cap).OnlyEnforceIf([y, flag])
+                if s < k - 1:
+                    for gn in range(len(problem.groups)):
+                        cost = [_ceil((problem.latency[g, gn] + blocks.nbytes[t] / (r * problem.bandwidth[g, gn])) * _NS) for t in crossing]
+                        out = sum(self.sent[t][s] * c for t, c in zip(crossing, cost))
+                        cp.Add(comm_out >= out).OnlyEnforceIf([y, self.in_group[s + 1][gn]])
+                if s > 0:
+                    for gp in range(len(problem.groups)):
+                        cost = [_ceil((problem.latency[gp, g] + blocks.nbytes[t] / (r * problem.bandwidth[gp, g])) * _NS) for t in crossing]
+                        inside = sum(self.received[t][s] * c for t, c in zip(crossing, cost))
+                        cp.Add(comm_in >= inside).OnlyEnforceIf([y, self.in_group[s - 1][gp]])
+                if r > 1:
+                    a0, a1 = allreduce_affine(problem, g, r)
+                    cp.Add(ar >= _ceil(a0 / m * _NS) + _dot(self.x, s, blocks.params * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
+
+    def hint(self, layout: Layout) -> None:
+        cp, k = self.cp, self.k
+        for b, s0 in enumerate(layout.block_stage):
+            for s in range(k):
+                cp.AddHint(self.x[b][s], int(s == s0))
+        for s in range(k):
+            chosen = self.options.index((layout.groups[s], layout.replicas[s]))
+            for o in range(len(self.options)):
+                cp.AddHint(self.y[s][o], int(o == chosen))
+            cp.AddHint(self.rc[s], int(layout.recompute[s]))
+        for p, cs, recv, sent, reads in zip(self.blocks.producer, self.blocks.consumers, self.received, self.sent, self.inputs):
+            readers = set(int(layout.block_stage[c]) for c in cs)
+            if recv is None:
+                for s in range(k):
+                    cp.AddHint(reads[s], int(s in readers))
+                continue
+            src = int(layout.block_stage[p])
+            readers.discard(src)
+            for s in range(k):
+                cp.AddHint(recv[s], int(s in readers))
+                cp.AddHint(sent[s], len(readers) if s == src else 0)
+
+    def layout(self, solver: cp_model.CpSolver) -> Layout:
+        k = self.k
+        block_stage = np.array([next(s for s in range(k) if solver.BooleanValue(self.x[b][s])) for b in range(self.blocks.count)])
+        chosen = [self.options[next(o for o in range(len(self.options)) if solver.BooleanValue(self.y[s][o]))] for s in range(k)]
+        return Layout(
+            block_stage=block_stage,
+            groups=tuple(g for g, _ in chosen),
+            replicas=tuple(r for _, r in chosen),
+            recompute=tuple(bool(solver.BooleanValue(v)) for v in self.rc),
+        )
+
+
+def _ceil(value: float) -> int:
+    return int(math.ceil(value - 1e-9))
+
+
+def _dot(x: list[list[cp_model.IntVar]], s: int, weights: np.ndarray, rounding: Callable[[float], int]) -> cp_model.LinearExpr:
+    coefficients = [rounding(w - 1e-9) for w in weights]
+    return cp_model.LinearExpr.WeightedSum([x[b][s] for b in range(len(x)) if coefficients[b]], [c for c in coefficients if c])

@@ -1,0 +1,103 @@
+"""The planner's entry points: `plan` (graph, costs, target -> Plan) and `plan_model` (a model path and
+a target name -> graph, costs, target, plan), shared by the CLI, split and train."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+
+from onnxpipe.cost import Costs, annotate, read_annotated
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import Graph, load
+from onnxpipe.plan.explore import explore, microbatch_choices
+from onnxpipe.plan.problem import build_problem
+from onnxpipe.plan.result import Plan
+from onnxpipe.plan.solve import solve
+from onnxpipe.schedule import SCHEDULES
+from onnxpipe.target import Target, load_target
+
+__all__ = ["plan", "plan_model"]
+
+_RECOMPUTE = ("auto", "always", "never")
+
+
+def plan(
+    graph: Graph,
+    costs: Costs,
+    target: Target,
+    *,
+    stages: int | None = None,
+    batch: int | None = None,
+    microbatches: int | str | None = None,
+    schedule: str = "1f1b",
+    optimizer: str = "adam",
+    recompute: str = "auto",
+    replicas: bool = True,
+    time_limit: float = 30.0,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Partition and place the graph on the target, minimising the bottleneck stage time per micro-batch.
+
+    Defaults: one stage per device, 2 x stages micro-batches, a global batch of that many copies of the
+    batch the graph was loaded with. `schedule="auto"` / `microbatches="auto"` explore (also stage counts
+    when `stages` is None) and keep the configuration of least predicted iteration time."""
+    devices = len(target.devices)
+    _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
+    exploring = schedule == "auto" or microbatches == "auto"
+    k = stages or devices
+    m = microbatches if isinstance(microbatches, int) else 2 * k
+    batch = batch or graph.batch * m
+    base = build_problem(graph, costs, target, batch=batch, microbatches=m if batch % m == 0 else 1, schedule="1f1b" if schedule == "auto" else schedule, optimizer=optimizer)
+    if not exploring:
+        if batch % m:
+            raise OnnxpipeError(f"batch {batch} does not split into {m} micro-batches; pick a divisor of the batch for --microbatches")
+        return solve(base, k, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
+    candidates, winner, winner_stages = explore(
+        base,
+        [stages] if stages else list(range(1, devices + 1)),
+        list(SCHEDULES) if schedule == "auto" else [schedule],
+        microbatch_choices(batch) if microbatches == "auto" else [m],
+        recompute=recompute,
+        replicas=replicas,
+        progress=progress,
+    )
+    if winner is None or winner_stages is None:
+        first = candidates[0].note if candidates else "nothing to try"
+        raise OnnxpipeError(f"no explored configuration fits ({first}); try --recompute always, a target with more memory, or a larger batch")
+    best = solve(winner, winner_stages, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
+    return dataclasses.replace(best, explored=candidates)
+
+
+def plan_model(
+    model: str | os.PathLike,
+    target: str | Target,
+    *,
+    dims: Mapping[str, int] | None = None,
+    profile: bool | None = None,
+    **options: object,
+) -> tuple[Graph, Costs, Target, Plan]:
+    """Load, take the model's stored costs (an annotated ONNX) or annotate it, and plan."""
+    graph = load(model, dims)
+    target = load_target(target) if isinstance(target, str) else target
+    costs = read_annotated(graph)
+    if costs is None:
+        costs = annotate(graph, profile=target.profile if profile is None else profile)
+    return graph, costs, target, plan(graph, costs, target, **options)  # type: ignore[arg-type]
+
+
+def _ensure_options(stages: int | None, devices: int, microbatches: int | str | None, schedule: str, recompute: str, time_limit: float) -> None:
+    if stages is not None and stages < 1:
+        raise OnnxpipeError(f"--stages {stages}: need at least 1 stage")
+    if stages is not None and stages > devices:
+        raise OnnxpipeError(f"--stages {stages} is more than the target's {devices} devices; use at most {devices} stages or a larger target")
+    if isinstance(microbatches, str) and microbatches != "auto":
+        raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
+    if isinstance(microbatches, int) and microbatches < 1:
+        raise OnnxpipeError(f"--microbatches {microbatches}: need at least 1 micro-batch")
+    if schedule != "auto" and schedule not in SCHEDULES:
+        raise OnnxpipeError(f"unknown schedule '{schedule}'; choose one of: {', '.join(SCHEDULES)}, auto")
+    if recompute not in _RECOMPUTE:
+        raise OnnxpipeError(f"--recompute {recompute!r}: choose one of {', '.join(_RECOMPUTE)}")
+    if time_limit <= 0:
+        raise OnnxpipeError(f"--time-limit {time_limit}: must be positive seconds")
