@@ -186,3 +186,76 @@ def test_bad_batch_shape_names_the_batch_flag() -> None:
     inputs = model_inputs(manifest, TrainConfig())
     with pytest.raises(OnnxpipeError, match="--batch 32"):
         split_microbatches({"x": np.zeros((5, 16), np.float32), "labels": np.zeros(5, np.int64)}, inputs, 4)
+
+
+# --- worker processes ------------------------------------------------------------------------
+
+def _onnxpipe_segments() -> list[str]:
+    root = Path("/dev/shm")
+    return sorted(p.name for p in root.glob("onnxpipe_*")) if root.is_dir() else []
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+
+
+@pytest.mark.parametrize(("name", "k", "schedule", "recompute"), [("gpt2-tiny", 3, "1f1b", "never"), ("two-io", 4, "gpipe", "always")])
+def test_worker_processes_match_unpartitioned(name: str, k: int, schedule: str, recompute: str) -> None:
+    from onnxpipe.train.executor import ProcessPipeline
+
+    directory, manifest = stage_dir(name, k)
+    config = TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD, recompute=recompute)
+    with ProcessPipeline(prepare_stages(directory, manifest, config)) as pipe:
+        losses = [pipe.train_step(mb) for mb in batches(name, manifest, config)]
+        weights = pipe.parameters()
+        stats = pipe.last
+        pids = pipe.pids
+    ref_losses, ref_weights = reference(name, SGD)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for key, value in ref_weights.items():
+        assert float(np.max(np.abs(weights[key] - value))) <= RTOL * 10 * max(1.0, float(np.max(np.abs(value)))), key
+    assert stats is not None and len(stats.busy_seconds) == k and all(b > 0 for b in stats.busy_seconds)
+    assert all(m > 0 for m in stats.peak_rss_bytes)
+    assert not _alive(pids) and not _onnxpipe_segments()
+
+
+def test_killed_worker_fails_fast_naming_the_stage() -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from onnxpipe.train.executor import ProcessPipeline
+
+    directory, manifest = stage_dir("gpt2-tiny", 3)
+    config = TrainConfig(schedule="1f1b", microbatches=M, optimizer=SGD)
+    data = batches("gpt2-tiny", manifest, config, steps=1)[0]
+    pipe = ProcessPipeline(prepare_stages(directory, manifest, config))
+    pids = pipe.pids
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        os.kill(pids[1], signal.SIGKILL)
+
+    timer = threading.Timer(0.3, kill)
+    timer.start()
+    with pytest.raises(OnnxpipeError, match=r"stage 1 failed.*exited with code -9"):
+        for _ in range(100000):
+            pipe.train_step(data)
+    assert killed and time.monotonic() - killed[0] < 5.0
+    assert not _alive(pids) and not _onnxpipe_segments()
+
+
+def test_worker_error_names_stage_microbatch_and_phase() -> None:
+    from onnxpipe.train.executor import ProcessPipeline
+
+    directory, manifest = stage_dir("gpt2-tiny", 2)
+    config = TrainConfig(schedule="gpipe", microbatches=M, optimizer=SGD)
+    data = batches("gpt2-tiny", manifest, config, steps=1)[0]
+    data[2]["input_ids"] = data[2]["input_ids"] + 10_000  # out of the vocabulary: Gather fails in stage 0
+    with ProcessPipeline(prepare_stages(directory, manifest, config)) as pipe:
+        pids = pipe.pids
+        with pytest.raises(OnnxpipeError, match=r"stage 0 failed at micro-batch 2 \(forward\): .*"):
+            pipe.train_step(data)
+    assert not _alive(pids) and not _onnxpipe_segments()

@@ -8,11 +8,10 @@ destination's queue. A multi-host backend only has to offer the same three metho
 
 from __future__ import annotations
 
-import os
 import queue as queue_mod
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,7 +74,7 @@ class ShmTransport:
         array = np.ascontiguousarray(array)
         slot = self._slots.get((dst, key, microbatch))
         if slot is None or slot.size < max(array.nbytes, 1):
-            slot = shared_memory.SharedMemory(name=f"{self.prefix}{self.me}_{dst}_{len(self._slots)}", create=True, size=max(array.nbytes, 1))
+            slot = _untracked(shared_memory.SharedMemory(name=f"{self.prefix}{self.me}_{dst}_{len(self._slots)}", create=True, size=max(array.nbytes, 1)))
             self._slots[(dst, key, microbatch)] = slot
         np.ndarray(array.shape, array.dtype, buffer=slot.buf)[...] = array
         self.inboxes[dst].put((key, microbatch, slot.name, array.shape, array.dtype.str))
@@ -88,7 +87,7 @@ class ShmTransport:
         name, shape, dtype = self._arrived.pop((key, microbatch))
         seg = self._attached.get(name)
         if seg is None:
-            seg = self._attached[name] = shared_memory.SharedMemory(name=name)
+            seg = self._attached[name] = _untracked(shared_memory.SharedMemory(name=name))
         out = np.ndarray(shape, np.dtype(dtype), buffer=seg.buf).copy()
         self.copy_seconds += time.perf_counter() - start
         return out
@@ -113,24 +112,31 @@ class ShmTransport:
             seg.close()
         for seg in self._slots.values():
             seg.close()
-            try:
-                seg.unlink()
-            except FileNotFoundError:
-                pass
+            _unlink(seg.name)
         self._attached.clear()
         self._slots.clear()
+
+
+def _untracked(seg: shared_memory.SharedMemory) -> shared_memory.SharedMemory:
+    """Segments are unlinked by their owner or swept by the driver: keep Python's resource tracker out
+    (it would warn about, or unlink under us, segments other processes own)."""
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    return seg
+
+
+def _unlink(name: str) -> None:
+    try:
+        from _posixshmem import shm_unlink  # type: ignore[import-not-found]
+
+        shm_unlink("/" + name.lstrip("/"))
+    except (ImportError, FileNotFoundError, OSError):
+        pass
 
 
 def sweep_segments(prefix: str) -> int:
     """Unlink every segment whose name starts with `prefix` (left by a worker that died); returns how many."""
     root = Path("/dev/shm")
-    if not root.is_dir():
-        return 0
-    count = 0
-    for path in root.glob(f"{prefix}*"):
-        try:
-            os.unlink(path)
-            count += 1
-        except OSError:
-            pass
-    return count
+    names = [p.name for p in root.glob(f"{prefix}*")] if root.is_dir() else []
+    for name in names:
+        _unlink(name)
+    return len(names)

@@ -1,0 +1,188 @@
+"""One worker process per stage (spawn), tensors through shared memory, the driver feeding
+micro-batches and collecting losses and measurements.
+
+Reading order: `StepStats` -> `ProcessPipeline` (start, train_step, evaluate, state, close)
+-> `_wait` (results, dead workers, errors) -> `_fail`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.train.stage import StageSpec
+from onnxpipe.train.transport import ShmTransport, sweep_segments
+from onnxpipe.train.worker import OPS, worker_main
+
+__all__ = ["StepStats", "ProcessPipeline", "PHASES"]
+
+#: How a worker's op reads in an error message.
+PHASES = {"F": "forward", "B": "backward", "STEP": "optimizer step", "RECV_F": "receiving activations", "SEND_F": "sending activations",
+          "RECV_B": "receiving gradients", "SEND_B": "sending gradients", "setup": "setup", "evaluate": "evaluate", "idle": "idle"}
+#: Seconds a worker gets to build its sessions.
+_START_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Measurements of one training step."""
+
+    loss: float
+    seconds: float
+    #: Per stage: seconds computing (forward, backward, optimizer), copying through shared memory.
+    busy_seconds: tuple[float, ...]
+    copy_seconds: tuple[float, ...]
+    #: Per stage: peak bytes of stashed activations, peak RSS of the worker.
+    peak_stash_bytes: tuple[int, ...]
+    peak_rss_bytes: tuple[int, ...]
+
+
+class ProcessPipeline:
+    """Context manager: workers start on entry (or construction) and are always shut down on exit."""
+
+    def __init__(self, specs: Sequence[StageSpec]) -> None:
+        self.specs = tuple(specs)
+        self._ctx = mp.get_context("spawn")
+        self._prefix = f"onnxpipe_{os.getpid()}_{secrets.token_hex(3)}_"
+        k = len(self.specs)
+        self._inboxes = [self._ctx.Queue() for _ in range(k)]
+        self._commands = [self._ctx.Queue() for _ in range(k)]
+        self._results = self._ctx.Queue()
+        self._current = self._ctx.Array("i", 2 * k, lock=False)
+        self._driver = ShmTransport(self._prefix + "d", self._inboxes, -1)
+        self._procs: list[Any] = []
+        self.last: StepStats | None = None
+        try:
+            for spec in self.specs:
+                proc = self._ctx.Process(target=worker_main, name=f"onnxpipe-stage-{spec.index}", daemon=True,
+                                         args=(spec, self._inboxes, self._commands[spec.index], self._results, self._prefix, self._current))
+                proc.start()
+                self._procs.append(proc)
+            self._wait("ready", _START_TIMEOUT)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> ProcessPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
+        start = time.perf_counter()
+        self._post(microbatches)
+        for q in self._commands:
+            q.put(("step",))
+        replies = self._wait("done")
+        losses = [x for r in replies for x in r[2]]
+        seconds = time.perf_counter() - start
+        self.last = StepStats(float(np.mean(losses)), seconds, tuple(r[3] for r in replies), tuple(r[4] for r in replies),
+                              tuple(r[5] for r in replies), tuple(r[6] for r in replies))
+        return self.last.loss
+
+    def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        self._post(microbatches)
+        for q in self._commands:
+            q.put(("evaluate", len(microbatches)))
+        replies = self._wait("outputs")
+        merged: list[dict[str, np.ndarray]] = [dict() for _ in microbatches]
+        for r in replies:
+            for i, out in enumerate(r[2]):
+                merged[i].update(out)
+        return merged
+
+    def state(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        """Per stage: (parameters, optimizer state)."""
+        for q in self._commands:
+            q.put(("get",))
+        return [(r[2], r[3]) for r in self._wait("state")]
+
+    def load_state(self, states: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
+        for q, (params, opt) in zip(self._commands, states):
+            q.put(("set", params, opt))
+        self._wait("state")
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for params, _ in self.state():
+            for k, v in params.items():
+                out.setdefault(k, v)
+        return out
+
+    def close(self, force: bool = False) -> None:
+        """Stop every worker (politely unless `force`, then by signal), and unlink all shared memory."""
+        for q in [] if force else self._commands:
+            try:
+                q.put(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (0.0 if force else 2.0)
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._driver.close()
+        sweep_segments(self._prefix)
+        for q in [*self._inboxes, *self._commands, self._results]:
+            q.close()
+            q.cancel_join_thread()
+        self._procs = []
+
+    def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
+        for spec in self.specs:
+            for i, mb in enumerate(microbatches):
+                for name in spec.wiring.model_inputs:
+                    self._driver.send(spec.index, name, i, mb[name])
+
+    def _wait(self, kind: str, timeout: float | None = None) -> list[tuple]:
+        """One `kind` reply per stage, in stage order; a dead or failing worker fails the run within a second."""
+        got: dict[int, tuple] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while len(got) < len(self.specs):
+                try:
+                    msg = self._results.get(timeout=0.2)
+                except queue_mod.Empty:
+                    for spec, proc in zip(self.specs, self._procs):
+                        if not proc.is_alive() and spec.index not in got:
+                            self._fail(spec.index, None, f"worker exited with code {proc.exitcode}")
+                    if deadline is not None and time.monotonic() > deadline:
+                        self._fail(min(set(range(len(self.specs))) - set(got)), None, f"no answer within {timeout:.0f} s")
+                    continue
+                if msg[0] == "error":
+                    self._fail(msg[1], (msg[2], msg[3]), msg[4])
+                if msg[0] == kind:
+                    got[msg[1]] = msg
+        except KeyboardInterrupt:
+            self.close(force=True)
+            raise
+        return [got[s.index] for s in self.specs]
+
+    def _fail(self, stage: int, where: tuple[str, int] | None, error: str) -> None:
+        if where is None:
+            op = OPS[self._current[2 * stage]] if 0 <= self._current[2 * stage] < len(OPS) else "?"
+            where = (op, self._current[2 * stage + 1])
+        op, mb = where
+        self.close(force=True)
+        at = f" at micro-batch {mb}" if op not in ("setup", "idle", "STEP", "?") and mb >= 0 else ""
+        raise OnnxpipeError(f"stage {stage} failed{at} ({PHASES.get(op, op)}): {error}")
