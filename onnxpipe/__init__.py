@@ -7,6 +7,7 @@ from onnxpipe.target import Target, load_target
 from onnxpipe.chain import chain, run_pipeline
 from onnxpipe.split import split
 from onnxpipe.verify import verify
+from onnxpipe.train.pipeline import Pipeline
 
-__all__ = ["annotate", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify"]
+__all__ = ["annotate", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline"]
 __version__ = "0.1.0"

@@ -259,3 +259,73 @@ def test_worker_error_names_stage_microbatch_and_phase() -> None:
         with pytest.raises(OnnxpipeError, match=r"stage 0 failed at micro-batch 2 \(forward\): .*"):
             pipe.train_step(data)
     assert not _alive(pids) and not _onnxpipe_segments()
+
+
+# --- checkpoints, the Pipeline API and the command line ---------------------------------------
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    from onnxpipe.train.fit import data_source, fit
+    from onnxpipe.train.pipeline import Pipeline
+
+    directory, _ = stage_dir("transformer-tiny", 3)
+    opt = OptimizerConfig("adamw", lr=0.01)
+
+    def pipeline() -> Pipeline:
+        return Pipeline(directory, microbatches=M, optimizer=opt, processes=False)
+
+    with pipeline() as whole:
+        full = fit(whole, data_source(whole, "synthetic", seed=3), 6)
+    with pipeline() as first:
+        fit(first, data_source(first, "synthetic", seed=3), 4, checkpoint_dir=str(tmp_path / "ck"), every=2)
+    with pipeline() as second:
+        resumed = fit(second, data_source(second, "synthetic", seed=3), 6, checkpoint_dir=str(tmp_path / "ck"), every=2, resume=True)
+    assert resumed == full and len(full) == 6
+
+    npz = tmp_path / "ck" / "stage_1.npz"
+    npz.write_bytes(npz.read_bytes()[:-7] + b"garbage")
+    from onnxpipe.train.checkpoint import load_checkpoint
+
+    with pytest.raises(OnnxpipeError, match=r"stage_1\.npz: checkpoint file is missing or corrupted"):
+        load_checkpoint(tmp_path / "ck")
+
+
+def test_pipeline_api_trains_evaluates_and_exports(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    from onnxpipe import Pipeline
+
+    model = models.build("mlp", train=True)
+    with Pipeline(model, "cpu2", microbatches=2, optimizer=SGD) as pipe:
+        from onnxpipe.train.fit import data_source
+
+        source = data_source(pipe, "synthetic")
+        losses = [pipe.train_step(source.batch(s)) for s in range(3)]
+        batch = source.batch(9)
+        result = pipe.evaluate(batch)
+        pipe.export(tmp_path / "trained.onnx")
+        metrics = pipe.metrics()
+    assert losses[0] != losses[-1] and len(metrics["stages"]) == pipe.stages
+    assert {"losses", "step_seconds", "samples_per_s", "bubble_fraction"} <= set(metrics)
+    sess = ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=["CPUExecutionProvider"])
+    outs = [sess.run(None, {k: v[i * 8:(i + 1) * 8] for k, v in batch.items()}) for i in range(2)]
+    assert result["loss"] == pytest.approx(float(np.mean([o[0] for o in outs])), rel=1e-5)
+    np.testing.assert_allclose(result["out/Gemm"], np.concatenate([o[1] for o in outs]), rtol=1e-5, atol=1e-6)
+
+
+def test_train_command_checks_against_unpartitioned(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from onnxpipe.cli import app
+
+    onnx.save(models.build("two-io", train=True), str(tmp_path / "m.onnx"))
+    out = tmp_path / "m.json"
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "m.onnx"), "--target", "cpu2", "--stages", "2", "--microbatches", "2",
+                                      "--steps", "3", "--check", "--json", str(out), "--lr", "0.1"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert len(data["losses"]) == 3 and data["check"]["max_loss_rel_diff"] < RTOL
+    assert len(data["stages"]) == 2 and all(s["peak_memory_bytes"] > 0 for s in data["stages"])
+    bad = CliRunner().invoke(app, ["train", str(tmp_path / "m.onnx"), "--batch", "7", "--steps", "1"])
+    assert bad.exit_code == 2 and "--batch" in bad.output

@@ -70,6 +70,18 @@ class LocalPipeline:
                 out.setdefault(k, v)
         return out
 
+    def state(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        """Per stage: (parameters, optimizer state)."""
+        return [({k: v.copy() for k, v in r.params.items()}, r.optimizer.state()) for r in self.runners]
+
+    def load_state(self, states: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
+        for r, (params, opt) in zip(self.runners, states):
+            r.params = {k: np.array(v) for k, v in params.items()}
+            r.optimizer.load_state(opt)
+
+    def close(self) -> None:
+        """Nothing to stop: here for the same interface as the process runner."""
+
     def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
         for spec in self.specs:
             for i, mb in enumerate(microbatches):

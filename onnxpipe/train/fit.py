@@ -1,0 +1,80 @@
+"""The training loop behind `onnxpipe train`: data source, steps, checkpoints, resume, and the
+check against unpartitioned training."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxpipe.train.data import BatchSource, SyntheticData, open_data
+from onnxpipe.train.pipeline import Pipeline
+
+__all__ = ["data_source", "index_ranges", "fit", "check", "write_json"]
+
+
+def index_ranges(pipeline: Pipeline) -> dict[str, int]:
+    """Upper bound of every integer model input: the table a Gather indexes or the classes a loss scores."""
+    from onnxpipe.graph import load
+
+    ranges: dict[str, int] = {}
+    for st in pipeline.manifest.stages:
+        graph = load(onnx.load(str(pipeline.directory / st.file)))
+        for name in graph.inputs:
+            for node in graph.consumers(name):
+                n = graph.node(node)
+                if n.op_type == "Gather" and n.input[1] == name:
+                    size = graph.tensors[n.input[0]].shape[0]
+                elif n.op_type == "SoftmaxCrossEntropyLoss" and n.input[1] == name:
+                    size = graph.tensors[n.input[0]].shape[1]
+                else:
+                    continue
+                ranges[name] = min(ranges.get(name, size), size)
+    loss = pipeline.config.loss
+    if loss is not None and loss.kind == "cross_entropy":
+        out = next(o for o in pipeline.manifest.outputs if o.name == loss.output)
+        ranges[loss.labels] = out.shape[-1]
+    return ranges
+
+
+def data_source(pipeline: Pipeline, data: str, seed: int = 0) -> BatchSource:
+    """`synthetic` (seeded, right shapes, labels in range) or an .npz file cut into batches."""
+    if data == "synthetic":
+        return SyntheticData(pipeline.inputs, pipeline.config.microbatches, index_ranges(pipeline), seed)
+    return open_data(data, pipeline.inputs, pipeline.batch)
+
+
+def fit(pipeline: Pipeline, source: BatchSource, steps: int, *, checkpoint_dir: str | None = None, every: int = 0,
+        resume: bool = False, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train until `steps` steps are done (continuing a checkpoint with `resume`); returns every step's loss."""
+    if resume and checkpoint_dir and (Path(checkpoint_dir) / "checkpoint.json").is_file():
+        pipeline.load(checkpoint_dir)
+    while pipeline.step < steps:
+        loss = pipeline.train_step(source.batch(pipeline.step))
+        if on_step:
+            on_step(pipeline.step, loss)
+        if checkpoint_dir and every and (pipeline.step % every == 0 or pipeline.step == steps):
+            pipeline.save(checkpoint_dir)
+    return list(pipeline.losses)
+
+
+def check(pipeline: Pipeline, source: BatchSource, steps: int) -> dict[str, float]:
+    """Train the unpartitioned model on the same batches; max relative loss and absolute weight differences."""
+    ref = pipeline.reference()
+    ref_losses = [ref.train_step(pipeline.microbatches(source.batch(s))) for s in range(steps)]
+    got, want = pipeline.parameters(), ref.parameters()
+    loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(pipeline.losses, ref_losses))
+    weight_diff = max(float(np.max(np.abs(got[k] - v))) for k, v in want.items() if k in got)
+    return {"max_loss_rel_diff": loss_diff, "max_weight_abs_diff": weight_diff, "reference_losses": ref_losses}  # type: ignore[dict-item]
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
