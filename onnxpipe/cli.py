@@ -320,3 +320,81 @@ def run(
     outputs = run_pipeline(directory, read_npz(inputs), microbatches=microbatches)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
+
+@app.command()
+@friendly
+def train(
+    model: str = typer.Argument(..., help="An .onnx model (planned and split first) or a stage directory written by `onnxpipe split`."),
+    target: str = typer.Option("cpu2", "--target", "-t", help="A bundled target name or a .toml target file."),
+    stages: int = typer.Option(None, "--stages", help="Number of stages when planning a model (default: the planner chooses)."),
+    batch: int = typer.Option(None, "--batch", help="Global batch per step (micro-batches x the stage files' batch)."),
+    microbatches: int = typer.Option(4, "--microbatches", help="Micro-batches per step."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="Pipeline schedule: gpipe or 1f1b."),
+    steps: int = typer.Option(10, "--steps", help="Optimizer steps to train (a resumed run continues up to this count)."),
+    data: str = typer.Option("synthetic", "--data", help="FILE.npz with one array per model input (and labels), or 'synthetic'."),
+    lr: float = typer.Option(0.01, "--lr", help="Learning rate."),
+    optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw (torch semantics)."),
+    momentum: float = typer.Option(0.0, "--momentum", help="SGD momentum."),
+    loss: str = typer.Option(None, "--loss", help="Append a loss to a model without one: cross_entropy or mse (with --labels)."),
+    labels: str = typer.Option(None, "--labels", help="With --loss: OUTPUT=LABELS or OUTPUT (labels input named 'labels')."),
+    recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto (the plan's), always or never."),
+    checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Directory for checkpoints."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps (and after the last)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --checkpoint-dir."),
+    do_check: bool = typer.Option(False, "--check", help="Also train the unpartitioned model; print the loss and weight differences."),
+    json_path: str = typer.Option(None, "--json", help="Write losses and measurements (step_seconds, bubble_fraction, per stage) as JSON."),
+    dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
+    seed: int = typer.Option(0, "--seed", help="Seed of synthetic data."),
+) -> None:
+    """Train a model as a pipeline: one worker process per stage, the schedule's table, shared-memory transport."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from onnxpipe.train.fit import check, data_source, fit, write_json
+    from onnxpipe.train.loss import LossSpec
+    from onnxpipe.train.pipeline import Pipeline
+    from onnxpipe.train.optimizer import OptimizerConfig
+    from onnxpipe.units import format_bytes
+
+    loss_spec = None
+    if loss or labels:
+        if not (loss and labels):
+            raise OnnxpipeError("--loss and --labels go together, e.g. --loss cross_entropy --labels logits=labels")
+        output, _, label_name = labels.partition("=")
+        loss_spec = LossSpec(loss, output, label_name or "labels")
+    if resume and not checkpoint_dir:
+        raise OnnxpipeError("--resume needs --checkpoint-dir DIR")
+    opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
+    with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
+                  loss=loss_spec, recompute=recompute, dims=parse_dims(dim)) as pipe:
+        if batch is not None and batch != pipe.batch:
+            raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
+        source = data_source(pipe, data, seed)
+        console.print(f"training {pipe.stages} stages ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(target)}", highlight=False)
+        with Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                      console=console, transient=False) as bar:
+            task = bar.add_task("train", total=steps, info="")
+
+            def on_step(step: int, value: float) -> None:
+                m = pipe.metrics()
+                bar.update(task, completed=step, info=f"loss {value:.4f}  {m['samples_per_s']:.0f} samples/s")
+
+            fit(pipe, source, steps, checkpoint_dir=checkpoint_dir, every=checkpoint_every, resume=resume, on_step=on_step)
+        metrics = pipe.metrics()
+        table = Table(title=f"{steps} steps: step {metrics['step_seconds'] * 1e3:.2f} ms, {metrics['samples_per_s']:.0f} samples/s, "
+                            f"bubble {metrics['bubble_fraction']:.1%}")
+        for column in ("stage", "busy ms", "transfer ms", "peak RSS", "peak activations"):
+            table.add_column(column, justify="right")
+        for s in metrics["stages"]:
+            table.add_row(str(s["stage"]), f"{s['busy_seconds'] * 1e3:.2f}", f"{s['transfer_seconds'] * 1e3:.2f}",
+                          format_bytes(s["peak_memory_bytes"]) if s["peak_memory_bytes"] else "-", format_bytes(s["peak_activation_bytes"] or 0))
+        console.print(table)
+        console.print("losses: " + " ".join(f"{x:.5f}" for x in metrics["losses"]), highlight=False)
+        if do_check:
+            result = check(pipe, source, steps)
+            metrics["check"] = result
+            console.print(f"check against the unpartitioned model: max loss difference {result['max_loss_rel_diff']:.2e} (relative), "
+                          f"max weight difference {result['max_weight_abs_diff']:.2e}", highlight=False)
+        if json_path:
+            write_json(json_path, metrics)
+            console.print(f"wrote {escape(json_path)}", highlight=False)
