@@ -220,7 +220,7 @@ def annotate(
 @friendly
 def split(
     model: str = typer.Argument(..., help="The .onnx model to cut."),
-    target: str = typer.Option(..., "--target", "-t", help="A bundled target name or a .toml target file."),
+    target: str = typer.Option(None, "--target", "-t", help="A bundled target name or a .toml target file (not needed with --plan)."),
     output: str = typer.Option(None, "-o", "--output", help="Stage directory to write (default: <model stem>-stages beside the model)."),
     stages: int = typer.Option(None, "--stages", help="Number of stages (default: the planner chooses)."),
     batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
@@ -240,26 +240,31 @@ def split(
 
     from rich.table import Table
 
-    from onnxpipe.cost import annotate as annotate_costs
     from onnxpipe.graph import load
-    from onnxpipe.plan.result import Plan
     from onnxpipe.split import plan_cuts
     from onnxpipe.split import split as split_model
-    from onnxpipe.target import load_target
     from onnxpipe.units import format_bytes
 
-    graph = load(model, parse_dims(dim))
     options = {key: value for key, value in {"batch": batch, "microbatches": microbatches, "schedule": schedule, "optimizer": optimizer,
                                               "recompute": recompute}.items() if value is not None}
+    if not plan_file and not target:
+        raise OnnxpipeError("missing --target; name a target (see `onnxpipe targets`) or reuse a plan with --plan")
     if plan_file:
+        from onnxpipe.plan.result import Plan
+
+        graph = load(model, parse_dims(dim))
         plan = Plan.read(plan_file)
     elif cuts:
+        from onnxpipe.cost import annotate as annotate_costs
+        from onnxpipe.target import load_target
+
+        graph = load(model, parse_dims(dim))
         plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
     else:
-        from onnxpipe.plan import plan as solve
+        from onnxpipe.plan import plan_model
 
         extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
-        plan = solve(graph, annotate_costs(graph), load_target(target), **options, **extra)
+        graph, _, _, plan = plan_model(model, target, dims=parse_dims(dim), **options, **extra)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
 
@@ -320,6 +325,82 @@ def run(
     outputs = run_pipeline(directory, read_npz(inputs), microbatches=microbatches)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
+
+
+# --- plan --------------------------------------------------------------------
+
+
+@app.command("plan")
+@friendly
+def plan_command(
+    model: str = typer.Argument(..., help="The .onnx model (an annotated one keeps its stored costs)."),
+    target: str = typer.Option(..., "--target", "-t", help="A bundled target name or a .toml target file."),
+    stages: int = typer.Option(None, "--stages", help="Number of stages (default: one per device)."),
+    batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
+    microbatches: str = typer.Option(None, "--microbatches", help="Micro-batches per iteration, or 'auto' to explore (default: 2 x stages)."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, or auto to explore both."),
+    optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
+    recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
+    time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the solver may search."),
+    compare: bool = typer.Option(False, "--compare", help="Also print every baseline side by side."),
+    profile: bool = typer.Option(None, "--profile/--no-profile", help="Measure node times with onnxruntime (default: as the target says)."),
+    dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
+    output: str = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
+) -> None:
+    """Find balanced pipeline stages for a model on a target, with the lower bound and the solver's gap."""
+    from rich.table import Table
+
+    from onnxpipe.plan import compare as compare_baselines
+    from onnxpipe.plan import fits, plan_model
+    from onnxpipe.units import format_bytes
+
+    if microbatches is None or microbatches == "auto":
+        mb: int | str | None = microbatches
+    elif microbatches.isdigit():
+        mb = int(microbatches)
+    else:
+        raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
+    with console.status("planning ...") as status:
+        graph, costs, tgt, plan = plan_model(
+            model, target, dims=parse_dims(dim), profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
+            optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
+        )
+    ms = 1e3
+    table = Table(title=f"{len(plan.stages)} stages of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
+                        f"{plan.microbatches} micro-batches, {plan.schedule}, {plan.optimizer}")
+    for column in ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"):
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
+    for s in plan.stages:
+        mem = s.memory
+        table.add_row(str(s.index), escape(", ".join(s.devices)), str(len(s.nodes)), f"{s.forward_seconds * ms:.3f}", f"{s.backward_seconds * ms:.3f}",
+                      f"{(s.comm_in_seconds + s.comm_out_seconds) * ms:.3f}", format_bytes(mem.parameters + mem.gradients + mem.optimizer),
+                      format_bytes(mem.activations), f"{format_bytes(mem.total)} / {format_bytes(mem.capacity)}", "yes" if s.recompute else "no")
+    console.print(table)
+    info = plan.solver
+    console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
+                  f"iteration {plan.iteration_seconds * ms:.3f} ms", highlight=False)
+    console.print(f"lower bound: {plan.lower_bound_seconds * ms:.3f} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
+                  highlight=False)
+    console.print(f"solver: {info.status}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, {info.blocks} blocks "
+                  f"(coarsening may cost up to {info.coarsening_loss:.2%}), {info.solve_seconds:.2f} s", highlight=False)
+    if plan.explored:
+        best = [c for c in plan.explored if c.feasible][:5]
+        console.print("explored: " + "; ".join(f"{c.schedule} m={c.microbatches} k={c.stages} r={c.replicas}: {c.iteration_seconds * ms:.2f} ms"
+                                               for c in best) + f" ({len(plan.explored)} tried)", highlight=False)
+    if compare:
+        others = compare_baselines(graph, costs, tgt, plan, recompute)
+        side = Table(title="baselines (same cost model)")
+        for column in ("plan", "stages", "iteration ms", "bottleneck ms", "peak memory", "fits", "iteration vs ours"):
+            side.add_column(column, justify="left" if column == "plan" else "right")
+        for name, p in {"onnxpipe": plan, **others}.items():
+            peak = max(s.memory.total for s in p.stages)
+            side.add_row(name, str(len(p.stages)), f"{p.iteration_seconds * ms:.3f}", f"{p.bottleneck_seconds * ms:.3f}", format_bytes(peak),
+                         "yes" if fits(p) else "[red]no[/]", f"{p.iteration_seconds / plan.iteration_seconds:.2f}x")
+        console.print(side)
+    if output:
+        plan.save(output)
+        console.print(f"wrote {escape(output)}", highlight=False)
+
 
 @app.command()
 @friendly

@@ -19,6 +19,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.protostream import is_streamable, raw_nbytes, read_model, skeleton
 
 __all__ = ["TensorInfo", "Graph", "load", "subgraph_captures", "RANDOM_OPS"]
 
@@ -171,7 +172,7 @@ def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
     if not path.is_file():
         raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
     try:
-        model = onnx.load(str(path), load_external_data=True)
+        model = read_model(path)
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         raise OnnxpipeError(
             f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete"
@@ -243,22 +244,18 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> Non
 
 
 def _infer_shapes(model: onnx.ModelProto, origin: str) -> onnx.ModelProto:
-    """Infer shapes on the model with its large weights' bytes lifted out, then put them back: shape
+    """Infer shapes on a copy of the model whose large weights carry dims but no bytes: shape
     inference needs only their dims, and this keeps peak memory near one copy of the model."""
-    lifted = {t.name: t.raw_data for t in model.graph.initializer if len(t.raw_data) > _LIFT_BYTES}
+    probe = skeleton(model, "graph")
+    probe.graph.CopyFrom(skeleton(model.graph, "initializer"))
     for t in model.graph.initializer:
-        if t.name in lifted:
-            t.ClearField("raw_data")
+        probe.graph.initializer.append(skeleton(t, "raw_data") if is_streamable(t) and raw_nbytes(t) > _LIFT_BYTES else t)
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
     except Exception as exc:
         raise OnnxpipeError(
             f"{origin}: shape inference failed ({str(exc).splitlines()[0][:200]}); run onnx.checker on the model and fix the reported node"
         ) from exc
-    finally:
-        for t in model.graph.initializer:
-            if t.name in lifted:
-                t.raw_data = lifted.pop(t.name)
     del model.graph.value_info[:]
     model.graph.value_info.extend(inferred.graph.value_info)
     for mine, theirs in zip(model.graph.output, inferred.graph.output):

@@ -5,8 +5,9 @@ which cut) -> `_stage_model` (build one stage's ModelProto from its nodes and in
 -> `_write_stage` -> `_publish` (temp dir renamed into place); `cut_stages` turns hand-given cut
 tensors into node groups; `annotate_stages` writes the model with each node tagged by its stage.
 
-Memory: the whole model is never copied; each stage's nodes and initializers are copied one at a
-time into a fresh ModelProto that is serialized, checked, written and dropped before the next.
+Memory: the whole model is never copied; each stage's nodes and small initializers are copied into a
+fresh ModelProto, its large initializers' bytes are streamed from the source model to the file
+(`protostream.write_model`), and the file is checked from disk before the next stage is built.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from onnxpipe.cost import Costs
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
-from onnxpipe.plan.evaluate import Assignment, evaluate
-from onnxpipe.plan.problem import build_problem
-from onnxpipe.plan.result import Plan
-from onnxpipe.target import Target
+from onnxpipe.protostream import inline_external_data, is_streamable, raw_nbytes, skeleton, write_model
+
+if TYPE_CHECKING:  # the planner package pulls in the solver; splitting a given plan does not need it
+    from onnxpipe.cost import Costs
+    from onnxpipe.plan.result import Plan
+    from onnxpipe.target import Target
 
 __all__ = ["split", "cut_stages", "plan_cuts", "annotate_stages", "STAGE_METADATA_KEY", "MAX_IR_VERSION", "RECOMPUTE_POLICIES"]
 
@@ -42,6 +45,8 @@ STAGE_METADATA_KEY = "onnxpipe.stage"
 MAX_IR_VERSION = 10
 #: Protobuf refuses files over 2 GiB; models above this write each stage's weights to a side file.
 _EXTERNAL_DATA_BYTES = 2**31 - 2**26
+#: Initializers above this are streamed from the source model to the stage file instead of copied.
+_STREAM_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -203,7 +208,11 @@ def _temp_dir(target: Path) -> Path:
     parent = target.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+        return tmp
     except OSError as exc:
         raise OnnxpipeError(f"{parent}: cannot write there ({exc.strerror}); choose a writable -o") from exc
 
@@ -238,8 +247,10 @@ def _value_info(graph: Graph, name: str, originals: dict[str, onnx.ValueInfoProt
     raise OnnxpipeError(f"{graph.source}: tensor '{name}' crosses a stage cut but has no known type; re-export the model with shapes")
 
 
-def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict[str, onnx.ValueInfoProto]) -> onnx.ModelProto:
-    """A standalone model holding only this stage's nodes and initializers."""
+def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict[str, onnx.ValueInfoProto]
+                 ) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """A standalone model holding only this stage's nodes and small initializers, and the stage's
+    large raw-data initializers (the source model's own protos, streamed to the file, not copied)."""
     source = graph.model
     model = onnx.ModelProto()
     model.ir_version = min(source.ir_version, MAX_IR_VERSION)
@@ -253,8 +264,13 @@ def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict
     for name in layout.constant_nodes + layout.nodes:
         stage_graph.node.add().CopyFrom(graph.node(name))
     inits = _initializers_by_name(graph)
+    large = []
     for name in layout.initializers:
-        stage_graph.initializer.add().CopyFrom(inits[name])
+        tensor = inits[name]
+        if is_streamable(tensor) and raw_nbytes(tensor) > _STREAM_BYTES:
+            large.append(tensor)
+        else:
+            stage_graph.initializer.add().CopyFrom(tensor)
     stage_graph.input.extend(_value_info(graph, name, originals) for name, _ in layout.inputs)
     stage_graph.output.extend(_value_info(graph, name, originals) for name, _ in layout.outputs)
     boundary = {name for name, _ in layout.inputs} | {name for name, _ in layout.outputs}
@@ -262,7 +278,7 @@ def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict
         for out in graph.node(name).output:
             if out and out not in boundary and out in originals:
                 stage_graph.value_info.add().CopyFrom(originals[out])
-    return model
+    return model, large
 
 
 def _initializers_by_name(graph: Graph) -> dict[str, onnx.TensorProto]:
@@ -281,21 +297,18 @@ def _originals(graph: Graph) -> dict[str, onnx.ValueInfoProto]:
 def _write_stage(graph: Graph, plan: Plan, index: int, layout: _StageLayout, originals: dict[str, onnx.ValueInfoProto],
                  directory: Path, external: bool) -> Stage:
     """Build, check and write one stage; the proto is dropped on return."""
-    model = _stage_model(graph, index, layout, originals)
+    model, large = _stage_model(graph, index, layout, originals)
     path = directory / f"stage_{index}.onnx"
-    data_file = f"{path.name}.data" if external else None
+    data_file = f"{path.name}.data"
     try:
-        if external:
-            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data_file, size_threshold=1024)
-            del model
-            onnx.checker.check_model(str(path), full_check=True)
-        else:
-            blob = model.SerializeToString()
-            del model
-            onnx.checker.check_model(blob, full_check=True)
-            path.write_bytes(blob)
-            del blob
+        # Weights go to a side file first so the checker reads the file from disk without loading them;
+        # models under 2 GB then get them copied back inline, chunk by chunk.
+        write_model(model, path, large, external_data=data_file)
+        del model, large
+        onnx.checker.check_model(str(path), full_check=True)
+        if not external:
+            inline_external_data(path)
+            data_file = None
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise OnnxpipeError(f"stage {index} fails onnx.checker ({first}); the model itself may not pass it, run onnx.checker on it") from exc
@@ -304,6 +317,8 @@ def _write_stage(graph: Graph, plan: Plan, index: int, layout: _StageLayout, ori
         raise OnnxpipeError(f"stage {index} fails shape inference ({first}); run onnx.checker with full_check on the model") from exc
     except OSError as exc:
         raise OnnxpipeError(f"{directory}: cannot write stage {index} ({exc.strerror}); free space or choose another -o") from exc
+    if data_file and not (directory / data_file).exists():
+        data_file = None  # no initializer large enough for the side file
     size = path.stat().st_size + ((directory / data_file).stat().st_size if data_file else 0)
     parameters = set(graph.parameters)
     params = tuple(n for n in layout.initializers if n in parameters)
@@ -394,6 +409,9 @@ def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]
 def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *, batch: int | None = None, microbatches: int = 1,
               schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto") -> Plan:
     """A priced plan for hand-given cuts, one device per stage taken in the target's order."""
+    from onnxpipe.plan.evaluate import Assignment, evaluate
+    from onnxpipe.plan.problem import build_problem
+
     if recompute not in RECOMPUTE_POLICIES:
         raise OnnxpipeError(f"--recompute {recompute}: choose one of {', '.join(RECOMPUTE_POLICIES)}")
     groups = cut_stages(graph, cuts)
@@ -418,20 +436,20 @@ def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
     for i, layout in enumerate(layouts):
         for name in layout.constant_nodes:
             assignment[name] = f"{assignment[name]},{i}" if name in assignment else str(i)
-    model = onnx.ModelProto()
-    model.CopyFrom(graph.model)
+    model = skeleton(graph.model, "graph")
+    model.graph.CopyFrom(skeleton(graph.model.graph, "initializer"))
+    large = [t for t in graph.model.graph.initializer if is_streamable(t) and raw_nbytes(t) > _STREAM_BYTES]
+    streamed = {t.name for t in large}
+    model.graph.initializer.extend(t for t in graph.model.graph.initializer if t.name not in streamed)
     for node in model.graph.node:
         if node.name in assignment:
             entry = next((p for p in node.metadata_props if p.key == STAGE_METADATA_KEY), None) or node.metadata_props.add()
             entry.key, entry.value = STAGE_METADATA_KEY, assignment[node.name]
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
+    external = sum(raw_nbytes(t) for t in large) > _EXTERNAL_DATA_BYTES
     try:
-        if model.ByteSize() > _EXTERNAL_DATA_BYTES:
-            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=f"{target.name}.data", size_threshold=1024)
-        else:
-            onnx.save_model(model, str(tmp))
+        write_model(model, tmp, large, external_data=f"{target.name}.data" if external else None)
         os.replace(tmp, target)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

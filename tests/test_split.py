@@ -301,3 +301,19 @@ def test_cli_split_verify_run(tmp_path: Path) -> None:
     np.savez(tmp_path / "bad.npz", **{manifest.inputs[0].name: np.zeros((1, 1), np.float32)})
     done = cli("run", "st", "--inputs", "bad.npz", "-o", "out.npz", cwd=tmp_path)
     assert done.returncode == 2 and f"'{manifest.inputs[0].name}'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_stages_of_models_over_the_size_limit_use_external_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    split_module = importlib.import_module("onnxpipe.split")
+    monkeypatch.setattr(split_module, "_EXTERNAL_DATA_BYTES", 1 << 16)  # gpt2-tiny stands in for a model over 2 GB
+    monkeypatch.setattr(split_module, "_STREAM_BYTES", 1 << 10)
+    model = models.build("gpt2-tiny")
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    graph = load(tmp_path / "m.onnx")
+    manifest = split(graph, even_plan(graph, 3), tmp_path / "s")
+    for stage in manifest.stages:
+        assert stage.data_file == f"{stage.file}.data" and (tmp_path / "s" / stage.data_file).stat().st_size > 0
+        assert stage.file_bytes == sum((tmp_path / "s" / f).stat().st_size for f in (stage.file, stage.data_file))
+        onnx.checker.check_model(str(tmp_path / "s" / stage.file), full_check=True)
+    errors = verify(tmp_path / "s", tmp_path / "m.onnx", samples=1)
+    assert max(errors.values()) <= TOLERANCE

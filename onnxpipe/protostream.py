@@ -1,0 +1,234 @@
+"""Read and write ONNX models piece by piece so a large model is never held twice in memory.
+
+`onnx.load` holds the file's bytes and the parsed model at once (2x the model); `read_model` parses
+the file record by record (the graph's nodes and initializers one at a time). `SerializeToString`
+builds a second full copy; `write_model` serializes a small skeleton once and streams the large
+initializers' raw bytes straight to the file (inline, or to an external-data file).
+`skeleton` copies a message without one repeated field, so weights can be left out of a copy.
+
+Reading order: `read_model` -> `_read_record`; `write_model` -> `_tensor_record`; `skeleton`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+import onnx
+from google.protobuf.message import Message
+from onnx import helper
+
+__all__ = ["read_model", "write_model", "inline_external_data", "skeleton", "is_streamable", "raw_nbytes"]
+
+_GRAPH_FIELD = 7  # ModelProto.graph
+_INITIALIZER_FIELD = 5  # GraphProto.initializer
+_RAW_DATA_FIELD = 9  # TensorProto.raw_data
+_LENGTH_DELIMITED = 2
+
+M = TypeVar("M", bound=Message)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(f: BinaryIO) -> tuple[int, bytes]:
+    raw = bytearray()
+    value, shift = 0, 0
+    while True:
+        chunk = f.read(1)
+        if not chunk:
+            raise EOFError("truncated protobuf varint")
+        raw += chunk
+        value |= (chunk[0] & 0x7F) << shift
+        if not chunk[0] & 0x80:
+            return value, bytes(raw)
+        shift += 7
+
+
+def _read_record(f: BinaryIO, key: int, key_bytes: bytes) -> bytes:
+    """The bytes of one field (tag included) whose tag was just read."""
+    wire = key & 7
+    if wire == 0:
+        _, raw = _read_varint(f)
+        return key_bytes + raw
+    if wire == 1:
+        return key_bytes + f.read(8)
+    if wire == 5:
+        return key_bytes + f.read(4)
+    if wire == _LENGTH_DELIMITED:
+        length, raw = _read_varint(f)
+        payload = f.read(length)
+        if len(payload) != length:
+            raise EOFError("truncated protobuf field")
+        return key_bytes + raw + payload
+    raise ValueError(f"unsupported protobuf wire type {wire}")
+
+
+def read_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Parse a model file one record at a time (peak: the model plus its largest tensor), then load
+    external data if the model has any."""
+    model = onnx.ModelProto()
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while f.tell() < size:
+            key, key_bytes = _read_varint(f)
+            if key >> 3 == _GRAPH_FIELD and key & 7 == _LENGTH_DELIMITED:
+                length, _ = _read_varint(f)
+                end = f.tell() + length
+                while f.tell() < end:
+                    inner, inner_bytes = _read_varint(f)
+                    model.graph.MergeFromString(_read_record(f, inner, inner_bytes))
+            else:
+                model.MergeFromString(_read_record(f, key, key_bytes))
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
+    return model
+
+
+def is_streamable(tensor: onnx.TensorProto) -> bool:
+    """Whether the tensor's data is inline raw bytes (what `write_model` streams)."""
+    return tensor.HasField("raw_data") and tensor.data_location != onnx.TensorProto.EXTERNAL
+
+
+def raw_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of a raw-data tensor's data, from its dims and type (reading `raw_data` would copy it)."""
+    count = math.prod(tensor.dims)
+    if tensor.data_type in _FOUR_BIT:
+        return (count + 1) // 2
+    return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+_FOUR_BIT = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n))
+
+
+def _tensor_record(tensor: onnx.TensorProto) -> tuple[bytes, int]:
+    """What precedes a raw-data tensor's bytes in a GraphProto: the initializer tag and length, the
+    tensor's other fields, and the raw-data tag and length. Returns (prefix, raw byte count)."""
+    head = skeleton(tensor, "raw_data").SerializeToString()
+    raw_len = raw_nbytes(tensor)
+    body = head + bytes([(_RAW_DATA_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(raw_len)
+    prefix = bytes([(_INITIALIZER_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(len(body) + raw_len) + body
+    return prefix, raw_len
+
+
+def _raw(tensor: onnx.TensorProto, expected: int) -> bytes:
+    raw = tensor.raw_data
+    if len(raw) != expected:
+        raise ValueError(f"initializer '{tensor.name}' holds {len(raw)} bytes of raw data, its dims and type say {expected}")
+    return raw
+
+
+def write_model(model: onnx.ModelProto, path: str | os.PathLike, large: Sequence[onnx.TensorProto] = (),
+                external_data: str | None = None) -> None:
+    """Write `model` with the tensors `large` (raw-data tensors, not copied) added to its graph's
+    initializers; with `external_data`, their bytes go to that file beside `path` instead."""
+    path = Path(path)
+    if external_data is not None and large:
+        with open(path.parent / external_data, "wb") as data:
+            for tensor in large:
+                head = skeleton(tensor, "raw_data")
+                raw = _raw(tensor, raw_nbytes(tensor))
+                head.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", external_data), ("offset", str(data.tell())), ("length", str(len(raw)))):
+                    entry = head.external_data.add()
+                    entry.key, entry.value = key, value
+                data.write(raw)
+                del raw
+                model.graph.initializer.append(head)
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+        return
+    top = skeleton(model, "graph")
+    graph = model.graph.SerializeToString()
+    records = [_tensor_record(t) for t in large]
+    graph_len = len(graph) + sum(len(prefix) + n for prefix, n in records)
+    with open(path, "wb") as f:
+        f.write(top.SerializeToString())
+        f.write(bytes([(_GRAPH_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(graph_len))
+        f.write(graph)
+        for tensor, (prefix, n) in zip(large, records):
+            f.write(prefix)
+            f.write(_raw(tensor, n))
+
+
+def inline_external_data(path: str | os.PathLike) -> None:
+    """Rewrite a model whose tensors live in external-data files beside it into one self-contained
+    file, copying their bytes from disk in chunks (never a whole tensor in memory); the data files
+    are removed once the new file is in place."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return
+    inline = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    places = [{e.key: e.value for e in t.external_data} for t in external]
+    heads = [skeleton(skeleton(t, "external_data"), "data_location") for t in external]
+    top = skeleton(model, "graph")
+    graph = skeleton(model.graph, "initializer")
+    graph.initializer.extend(inline)
+    graph_bytes = graph.SerializeToString()
+    records = []
+    for head, place in zip(heads, places):
+        length = int(place.get("length", raw_nbytes(head)))
+        body = head.SerializeToString() + bytes([(_RAW_DATA_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(length)
+        records.append((bytes([(_INITIALIZER_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(len(body) + length) + body, length))
+    tmp = path.with_name(f".{path.name}.inline")
+    data_files = {path.parent / place["location"] for place in places}
+    try:
+        with open(tmp, "wb") as f:
+            f.write(top.SerializeToString())
+            f.write(bytes([(_GRAPH_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(len(graph_bytes) + sum(len(r) + n for r, n in records)))
+            f.write(graph_bytes)
+            for (prefix, length), place in zip(records, places):
+                f.write(prefix)
+                with open(path.parent / place["location"], "rb") as data:
+                    data.seek(int(place.get("offset", 0)))
+                    _copy(data, f, length)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for data_file in data_files:
+        data_file.unlink(missing_ok=True)
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, length: int, chunk: int = 1 << 24) -> None:
+    while length > 0:
+        block = src.read(min(chunk, length))
+        if not block:
+            raise EOFError("external data file is shorter than its tensors say")
+        dst.write(block)
+        length -= len(block)
+
+
+def skeleton(message: M, leave_out: str) -> M:
+    """A copy of a message without the field `leave_out` (e.g. a graph without its initializers)."""
+    copy = type(message)()
+    for field in message.DESCRIPTOR.fields:  # not ListFields: it would read (copy) the left-out field too
+        if field.name == leave_out:
+            continue
+        value = getattr(message, field.name)
+        if field.is_repeated:
+            if not value:
+                continue
+        elif not message.HasField(field.name):
+            continue
+        if field.is_repeated:
+            getattr(copy, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(copy, field.name).CopyFrom(value)
+        else:
+            setattr(copy, field.name, value)
+    return copy

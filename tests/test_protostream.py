@@ -1,0 +1,55 @@
+"""Piecewise model I/O: what it reads and writes equals onnx.load / onnx.save, byte for byte in content."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxpipe import models
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import load
+from onnxpipe.protostream import inline_external_data, raw_nbytes, read_model, skeleton, write_model
+
+
+def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def test_read_model_equals_onnx_load(tmp_path: Path) -> None:
+    model = models.build("gpt2-tiny", train=True)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    assert read_model(tmp_path / "m.onnx") == onnx.load(str(tmp_path / "m.onnx"))
+
+
+def test_a_truncated_file_is_a_one_line_error(tmp_path: Path) -> None:
+    data = models.build("mlp").SerializeToString()
+    (tmp_path / "cut.onnx").write_bytes(data[: len(data) // 2])
+    with pytest.raises(EOFError):
+        read_model(tmp_path / "cut.onnx")
+    with pytest.raises(OnnxpipeError, match="not a readable ONNX model"):
+        load(tmp_path / "cut.onnx")
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_streamed_weights_round_trip(tmp_path: Path, external: bool) -> None:
+    model = models.build("resnet-tiny")
+    large = [t for t in model.graph.initializer if raw_nbytes(t) > 256]
+    assert large and all(raw_nbytes(t) == len(t.raw_data) for t in large)
+    names = {t.name for t in large}
+    rest = skeleton(model, "graph")
+    rest.graph.CopyFrom(skeleton(model.graph, "initializer"))
+    rest.graph.initializer.extend(t for t in model.graph.initializer if t.name not in names)
+    path = tmp_path / "w.onnx"
+    write_model(rest, path, large, external_data="w.onnx.data" if external else None)
+    assert (tmp_path / "w.onnx.data").exists() == external
+    if external:
+        inline_external_data(path)
+        assert not (tmp_path / "w.onnx.data").exists()
+    back = onnx.load(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    assert list(back.graph.node) == list(model.graph.node)
+    want, got = initializers(model), initializers(back)
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
