@@ -7,7 +7,9 @@ from onnxpipe.target import Target, load_target
 from onnxpipe.chain import chain, run_pipeline
 from onnxpipe.split import split
 from onnxpipe.verify import verify
+from onnxpipe.plan import Plan, evaluate, lower_bound, plan_model
+from onnxpipe.plan import plan as make_plan
 from onnxpipe.train.pipeline import Pipeline
 
-__all__ = ["annotate", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline"]
+__all__ = ["annotate", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline", "make_plan", "plan_model", "evaluate", "lower_bound", "Plan"]
 __version__ = "0.1.0"

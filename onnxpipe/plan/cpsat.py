@@ -140,6 +140,11 @@ class _Model:
         reads = [t for t, r in enumerate(self.inputs) if r is not None]
         state = blocks.params * (2.0 + problem.optimizer_states)
         m = problem.microbatches
+        # holds[s]: the stage has parameters, so a replicated stage all-reduces gradients.
+        holds = [cp.NewBoolVar("") for _ in range(k)]
+        for s in range(k):
+            for b in np.flatnonzero(blocks.params > 0):
+                cp.AddImplication(self.x[b][s], holds[s])
         for s in range(k):
             comp, comm_in, comm_out, ar = (cp.NewIntVar(0, 2**50, "") for _ in range(4))
             cp.Add(self.bottleneck >= comp + comm_in + comm_out + ar)
@@ -171,7 +176,7 @@ class _Model:
                         cp.Add(comm_in >= inside).OnlyEnforceIf([y, self.in_group[s - 1][gp]])
                 if r > 1:
                     a0, a1 = allreduce_affine(problem, g, r)
-                    cp.Add(ar >= _ceil(a0 / m * _NS) + _dot(self.x, s, blocks.params * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
+                    cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.params * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
 
     def hint(self, layout: Layout) -> None:
         cp, k = self.cp, self.k

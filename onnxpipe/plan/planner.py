@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from onnxpipe.cost import Costs, annotate, read_annotated
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
+from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.explore import explore, microbatch_choices
 from onnxpipe.plan.problem import build_problem
 from onnxpipe.plan.result import Plan
@@ -17,7 +18,7 @@ from onnxpipe.plan.solve import solve
 from onnxpipe.schedule import SCHEDULES
 from onnxpipe.target import Target, load_target
 
-__all__ = ["plan", "plan_model"]
+__all__ = ["plan", "plan_model", "compare"]
 
 _RECOMPUTE = ("auto", "always", "never")
 
@@ -84,6 +85,12 @@ def plan_model(
     if costs is None:
         costs = annotate(graph, profile=target.profile if profile is None else profile)
     return graph, costs, target, plan(graph, costs, target, **options)  # type: ignore[arg-type]
+
+
+def compare(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True) -> dict[str, Plan]:
+    """The baselines under the plan's batch, micro-batches, schedule and optimizer, by name."""
+    problem = build_problem(graph, costs, target, batch=plan.batch, microbatches=plan.microbatches, schedule=plan.schedule, optimizer=plan.optimizer)
+    return baselines(problem, len(plan.stages), recompute, replicas)
 
 
 def _ensure_options(stages: int | None, devices: int, microbatches: int | str | None, schedule: str, recompute: str, time_limit: float) -> None:

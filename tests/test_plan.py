@@ -1,0 +1,238 @@
+"""The planner against brute force, its bounds and baselines, its errors, its JSON and its CLI."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from onnxpipe.cost import Costs, NodeCost
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import load
+from onnxpipe.plan import Assignment, Plan, baselines, build_problem, evaluate, fits, lower_bound, plan
+from onnxpipe.target import Device, Link, Target
+
+GIB = 2.0**30
+
+
+def chain_model(n: int, skips: dict[int, int], batch: int = 2, width: int = 16) -> onnx.ModelProto:
+    """n nodes in a row; node i also reads node skips[i]'s output (a skip connection)."""
+    nodes, prev = [], "x"
+    for i in range(n):
+        out = f"t{i}"
+        if i in skips:
+            nodes.append(helper.make_node("Add", [prev, f"t{skips[i]}"], [out], name=f"n{i}"))
+        else:
+            nodes.append(helper.make_node("Relu", [prev], [out], name=f"n{i}"))
+        prev = out
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [batch, width])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def hand_costs(graph, flops, params=None, activations=None) -> Costs:  # type: ignore[no-untyped-def]
+    names = graph.compute_nodes
+    params = params if params is not None else [0.0] * len(names)
+    activations = activations if activations is not None else [1e6] * len(names)
+    return Costs(
+        nodes={
+            n: NodeCost(op_type="Relu", op_class="matmul", flops=f, bytes_read=0.0, bytes_written=0.0, param_bytes=p,
+                        activation_bytes=a, backward_flops=2 * f, backward_bytes=0.0)
+            for n, f, p, a in zip(names, flops, params, activations)
+        },
+        unknown_ops=(),
+        profiled=False,
+    )
+
+
+def make_target(groups: list[tuple[str, int, float, float]], bandwidth: float = 1e9, latency: float = 1e-6) -> Target:
+    """groups: (name, count, peak FLOP/s, memory bytes)."""
+    devices = tuple(
+        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=mem, memory_bandwidth=1e12,
+               efficiency={"default": 1.0}, op_overhead=0.0)
+        for g, count, peak, mem in groups for i in range(count)
+    )
+    names = [g[0] for g in groups]
+    links = tuple(Link(between=(a, b), bandwidth=bandwidth, latency=latency, topology="switch") for a, b in itertools.combinations_with_replacement(names, 2))
+    return Target(name="test", description="", devices=devices, links=links, profile=False, source="<test>")
+
+
+def brute_force(problem, stages: int, recompute: str = "auto") -> float:  # type: ignore[no-untyped-def]
+    """Least bottleneck over every forward-flowing assignment, replica split, device group and recompute choice."""
+    n = problem.n
+    edges = [(int(p), int(c)) for p, cs in zip(problem.tensor_producer, problem.tensor_consumers) if p >= 0 for c in cs]
+    devices = [d.name for d in problem.target.devices]
+    best = np.inf
+    flag_sets = [tuple(f) for f in itertools.product([False, True], repeat=stages)]
+    if recompute != "auto":
+        flag_sets = [tuple(recompute == "always" for _ in range(stages))]
+    for stage_of in itertools.product(range(stages), repeat=n):
+        if len(set(stage_of)) < stages or any(stage_of[p] > stage_of[c] for p, c in edges):
+            continue
+        nodes = tuple(tuple(problem.nodes[i] for i in range(n) if stage_of[i] == s) for s in range(stages))
+        for order in itertools.permutations(devices):
+            for sizes in itertools.product(range(1, len(devices) + 1), repeat=stages):
+                if sum(sizes) > len(devices):
+                    continue
+                cuts = np.cumsum((0,) + sizes)
+                devs = tuple(tuple(order[cuts[s]:cuts[s + 1]]) for s in range(stages))
+                if any(len({problem.group_of(d) for d in ds}) > 1 for ds in devs):
+                    continue
+                for flags in flag_sets:
+                    p = evaluate(problem, Assignment(nodes, devs, flags))
+                    if fits(p):
+                        best = min(best, p.bottleneck_seconds)
+    return best
+
+
+def _check(graph, costs, target, stages, p: Plan) -> None:  # type: ignore[no-untyped-def]
+    problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches, schedule=p.schedule, optimizer=p.optimizer)
+    placed = [n for s in p.stages for n in s.nodes]
+    assert sorted(placed) == sorted(graph.compute_nodes)
+    stage_of = {n: s.index for s in p.stages for n in s.nodes}
+    for src, dst in graph.dag.edges():
+        if src in stage_of and dst in stage_of:
+            assert stage_of[src] <= stage_of[dst]
+    assert fits(p)
+    assert lower_bound(problem, stages).seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    assert p.lower_bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    for name, other in baselines(problem, stages).items():
+        if name != "data-parallel" and fits(other):
+            assert p.bottleneck_seconds <= other.bottleneck_seconds * (1 + 1e-9), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(3, 6),
+    data=st.data(),
+)
+def test_random_dags_match_brute_force_and_beat_baselines(n: int, data: st.DataObject) -> None:
+    skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
+    flops = data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.sampled_from([0.0, 1e5, 1e6]), min_size=n, max_size=n))
+    activations = data.draw(st.lists(st.floats(1e3, 2e6), min_size=n, max_size=n))
+    capacity = data.draw(st.sampled_from([6e6, 2e7, 1e9]))
+    graph = load(chain_model(n, skips))
+    costs = hand_costs(graph, flops, params, activations)
+    target = make_target([("a", 3, 1e12, capacity)], bandwidth=data.draw(st.sampled_from([1e7, 1e9])))
+    problem = build_problem(graph, costs, target, batch=graph.batch * 4, microbatches=4)
+    expected = brute_force(problem, 2)
+    if not np.isfinite(expected):
+        with pytest.raises(OnnxpipeError, match="fits"):
+            plan(graph, costs, target, stages=2, microbatches=4, time_limit=5)
+        return
+    p = plan(graph, costs, target, stages=2, microbatches=4, time_limit=5)
+    _check(graph, costs, target, 2, p)
+    assert p.bottleneck_seconds == pytest.approx(expected, rel=1e-9)
+    assert p.solver.status == "OPTIMAL"
+    assert p.solver.bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+
+
+def test_heterogeneous_placement_matches_brute_force_and_puts_heavy_stage_on_fast_device() -> None:
+    graph = load(chain_model(5, {}))
+    costs = hand_costs(graph, [1e9, 1e9, 1e9, 4e9, 4e9])
+    target = make_target([("slow", 1, 1e12, 1e9), ("fast", 1, 4e12, 1e9)])
+    p = plan(graph, costs, target, stages=2, time_limit=5)
+    problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches)
+    assert p.bottleneck_seconds == pytest.approx(brute_force(problem, 2), rel=1e-9)
+    # 11e9 FLOPs in all: the fast device (4x) takes the heavy tail, 10e9 of them.
+    assert p.stages[1].devices == ("fast0",) and set(p.stages[1].nodes) >= {"n3", "n4"}
+    assert sum(costs.nodes[n].flops for n in p.stages[1].nodes) > sum(costs.nodes[n].flops for n in p.stages[0].nodes)
+
+
+def test_replication_chosen_when_one_layer_dominates() -> None:
+    graph = load(chain_model(4, {}))
+    costs = hand_costs(graph, [1e10, 1e8, 1e8, 1e8], params=[1e6, 0.0, 0.0, 0.0])
+    target = make_target([("g", 4, 1e12, 1e9)], bandwidth=1e11)
+    p = plan(graph, costs, target, stages=2, time_limit=5)
+    first = next(s for s in p.stages if "n0" in s.nodes)
+    assert len(first.devices) == 3
+    assert first.allreduce_seconds > 0
+    without = plan(graph, costs, target, stages=2, replicas=False, time_limit=5)
+    assert p.bottleneck_seconds < without.bottleneck_seconds / 2
+
+
+def test_recompute_chosen_only_where_memory_needs_it() -> None:
+    graph = load(chain_model(4, {}))
+    costs = hand_costs(graph, [1e9] * 4, activations=[1e8] * 4)
+    roomy = make_target([("g", 2, 1e12, 4e9)])
+    assert not any(s.recompute for s in plan(graph, costs, roomy, stages=2, time_limit=5).stages)
+    # 1F1B: stage 0 holds 2 micro-batches in flight, so stashing two 100 MB nodes needs 400 MB > 300 MB;
+    # recomputing needs its inputs twice plus one micro-batch of activations (200 MB). Stage 1 holds one.
+    tight = make_target([("g", 2, 1e12, 3e8)])
+    p = plan(graph, costs, tight, stages=2, time_limit=5)
+    assert [s.recompute for s in p.stages] == [True, False] and fits(p)
+    assert p.stages[0].backward_seconds == pytest.approx(p.stages[0].forward_seconds * 3)
+    assert p.stages[0].memory.activations == pytest.approx(2e8 + 2 * 2 * 16 * 4)
+
+
+def test_infeasible_memory_names_need_capacity_and_fixes() -> None:
+    graph = load(chain_model(3, {}))
+    costs = hand_costs(graph, [1e9] * 3, params=[4 * GIB, 0.0, 0.0])
+    target = make_target([("g", 2, 1e12, 8 * GIB)])
+    with pytest.raises(OnnxpipeError) as info:
+        plan(graph, costs, target, stages=2, time_limit=5)
+    assert str(info.value) == (
+        "no plan fits: the smallest stage needs 16.0 GiB of memory but the largest device holds 8.0 GiB; "
+        "try --recompute always, more stages, a smaller micro-batch (--microbatches), or a target with more memory"
+    )
+
+
+def test_more_stages_than_devices_is_an_error() -> None:
+    graph = load(chain_model(6, {}))
+    costs = hand_costs(graph, [1e9] * 6)
+    with pytest.raises(OnnxpipeError, match="--stages 3 is more than the target's 2 devices"):
+        plan(graph, costs, make_target([("g", 2, 1e12, 1e9)]), stages=3)
+
+
+def test_evaluate_rejects_backward_flow() -> None:
+    graph = load(chain_model(3, {}))
+    costs = hand_costs(graph, [1e9] * 3)
+    problem = build_problem(graph, costs, make_target([("g", 2, 1e12, 1e9)]), batch=2, microbatches=1)
+    with pytest.raises(OnnxpipeError, match="would flow backward from stage 1 to stage 0"):
+        evaluate(problem, Assignment((("n1", "n2"), ("n0",)), (("g0",), ("g1",)), (False, False)))
+
+
+def test_exploration_keeps_the_fastest_feasible_configuration() -> None:
+    graph = load(chain_model(6, {3: 1}))
+    costs = hand_costs(graph, [1e9] * 6)
+    target = make_target([("g", 2, 1e12, 1e9)])
+    p = plan(graph, costs, target, batch=8, microbatches="auto", schedule="auto", time_limit=5)
+    assert {c.schedule for c in p.explored} == {"gpipe", "1f1b"}
+    assert {c.microbatches for c in p.explored} == {1, 2, 4, 8}
+    feasible = [c for c in p.explored if c.feasible]
+    assert p.iteration_seconds <= min(c.iteration_seconds for c in feasible) * (1 + 1e-9)
+
+
+def test_plan_json_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    graph = load(chain_model(6, {4: 1}))
+    costs = hand_costs(graph, [1e9, 2e9, 1e9, 3e9, 1e9, 1e9])
+    p = plan(graph, costs, make_target([("a", 1, 1e12, 1e9), ("b", 2, 2e12, 1e9)]), stages=3, time_limit=5)
+    p.save(tmp_path / "plan.json")
+    assert Plan.read(tmp_path / "plan.json") == p
+
+
+def test_cli_plan_prints_stages_bound_and_baselines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from onnxpipe.models import build
+
+    path = tmp_path / "gpt2.onnx"
+    onnx.save(build("gpt2-tiny"), str(path))
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "onnxpipe", "plan", str(path), "--target", "gpu4", "--stages", "2", "--time-limit", "10", "--compare", "-o", str(out)],
+        capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    for line in ("bottleneck: stage", "lower bound:", "solver: OPTIMAL", "uniform-nodes", "pipedream", "data-parallel"):
+        assert line in result.stdout
+    saved = Plan.read(out)
+    assert len(saved.stages) == 2 and saved.bottleneck_seconds >= saved.lower_bound_seconds
