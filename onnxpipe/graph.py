@@ -121,9 +121,14 @@ class Graph:
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        """Floating-point initializers: the trainable weights."""
+        """Floating-point initializers of more than one element: the trainable weights. Scalars (a Pow
+        exponent, a 1/sqrt(d) scale) are constants of the formula, not weights."""
         return tuple(
-            sorted(n for n in self.initializers if np.issubdtype(np.dtype(self.tensors[n].dtype), np.floating))
+            sorted(
+                n
+                for n in self.initializers
+                if np.issubdtype(np.dtype(self.tensors[n].dtype), np.floating) and math.prod(self.tensors[n].shape) > 1
+            )
         )
 
     def producer(self, tensor: str) -> str | None:
