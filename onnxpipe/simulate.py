@@ -1,0 +1,325 @@
+"""Event-driven simulation of a plan's schedule on its target: the timeline, the bubble, memory over time.
+
+Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public entry) ->
+`_stage_costs` (what one stage costs per micro-batch under the chosen micro-batch count) ->
+`_run` (the event loop over the lowered action table, with `_Links` sharing link bandwidth).
+
+Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
+order on its device(s). F and B take the plan's per-micro-batch seconds (recompute adds one
+forward before each backward). SEND starts a transfer and does not block the sender; RECV blocks
+until the matching transfer has arrived. Every directed device pair is one physical link channel:
+transfers in flight on it share its bandwidth equally (processor sharing), then pay its latency.
+A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
+of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
+parameters, gradients and optimizer state at the device's memory bandwidth).
+
+Definitions shared with the executor's measurements:
+- `iteration_seconds`: from the first action to the end of the last STEP.
+- `busy_seconds[s]`: seconds stage s spends in F and B (compute only; not transfers,
+  all-reduce or optimizer step). Replicas of a stage run in lockstep, so one number per stage.
+- `bubble_fraction = 1 - sum(busy_seconds) / (k * iteration_seconds)`, k = number of stages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from onnxpipe import schedule as sched
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.plan.result import Plan, StagePlan
+from onnxpipe.target import Target
+
+__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "stash_bytes"]
+
+#: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
+EVENT_KINDS = ("F", "B", "SEND", "RECV", "ALLREDUCE", "STEP")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One bar of the Gantt chart: what a stage did and when (seconds from the start of the iteration)."""
+
+    stage: int
+    #: One of EVENT_KINDS.
+    kind: str
+    #: Micro-batch index; -1 for ALLREDUCE and STEP.
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The predicted timeline of one training iteration, and its figures."""
+
+    schedule: str
+    microbatches: int
+    #: Global batch per iteration (samples).
+    batch: int
+    iteration_seconds: float
+    #: batch / iteration_seconds.
+    samples_per_s: float
+    #: 1 - sum(busy_seconds) / (stages * iteration_seconds): the share of stage time without compute.
+    bubble_fraction: float
+    #: Per stage: seconds of F and B compute in the iteration.
+    busy_seconds: tuple[float, ...]
+    #: Per stage: peak bytes on one of its devices (parameters + gradients + optimizer + live activations).
+    peak_memory_bytes: tuple[float, ...]
+    #: Per stage: bytes of parameters, gradients and optimizer state (held all the time).
+    static_memory_bytes: tuple[float, ...]
+    #: Per stage: memory capacity of its device.
+    capacity_bytes: tuple[float, ...]
+    #: Per stage: its device instance names.
+    devices: tuple[tuple[str, ...], ...]
+    events: tuple[Event, ...]
+    #: Per stage: (time, bytes) samples of a step function, starting at (0, static memory).
+    memory: tuple[tuple[tuple[float, float], ...], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures `onnxpipe train --json` also reports (same names, lists indexed by stage), plus the timeline."""
+        return {
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "batch": self.batch,
+            "iteration_seconds": self.iteration_seconds,
+            "samples_per_s": self.samples_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "busy_seconds": list(self.busy_seconds),
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "capacity_bytes": list(self.capacity_bytes),
+            "devices": [list(d) for d in self.devices],
+            "events": [[e.stage, e.kind, e.microbatch, e.start, e.end] for e in self.events],
+        }
+
+
+@dataclass(frozen=True)
+class _StageCost:
+    """What one stage costs per micro-batch, at the simulated micro-batch size."""
+
+    forward: float
+    #: Backward seconds including the recomputed forward when the stage recomputes.
+    backward: float
+    #: Bytes of activations received per micro-batch (from the previous stage).
+    in_bytes: float
+    #: Bytes of activations sent per micro-batch (gradients of the same size come back).
+    out_bytes: float
+    #: Bytes stashed per micro-batch from its F until its B.
+    stash: float
+    #: Extra bytes held while its backward runs (the recomputed activations).
+    during_backward: float
+    allreduce: float
+    step: float
+
+
+def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microbatches: int | None = None) -> Simulation:
+    """Simulate one training iteration of `plan` on `target`.
+
+    `schedule` and `microbatches` override the plan's; the global batch stays the same, so
+    per-micro-batch times, transfers and stashes scale linearly with the micro-batch size, and
+    the number of micro-batches in flight is re-derived from the new table.
+    """
+    name = schedule or plan.schedule
+    m = microbatches or plan.microbatches
+    if m > plan.batch:
+        raise OnnxpipeError(f"{m} micro-batches exceed the batch of {plan.batch}; pass --microbatches at most {plan.batch}")
+    _ensure_devices(plan, target)
+    table = sched.build(name, len(plan.stages), m)
+    costs = tuple(_stage_cost(plan, stage, target, m) for stage in plan.stages)
+    events, memory, end = _run(plan, target, table, costs)
+    busy = tuple(
+        sum(e.end - e.start for e in events if e.stage == s and e.kind in ("F", "B")) for s in range(len(plan.stages))
+    )
+    iteration = end
+    bubble = 1.0 - sum(busy) / (len(plan.stages) * iteration) if iteration > 0 else 0.0
+    return Simulation(
+        schedule=name,
+        microbatches=m,
+        batch=plan.batch,
+        iteration_seconds=iteration,
+        samples_per_s=plan.batch / iteration if iteration > 0 else math.inf,
+        bubble_fraction=bubble,
+        busy_seconds=busy,
+        peak_memory_bytes=tuple(max(b for _, b in samples) for samples in memory),
+        static_memory_bytes=tuple(_static_bytes(s) for s in plan.stages),
+        capacity_bytes=tuple(s.memory.capacity for s in plan.stages),
+        devices=tuple(s.devices for s in plan.stages),
+        events=events,
+        memory=memory,
+    )
+
+
+def stash_bytes(plan: Plan, stage: StagePlan) -> tuple[float, float]:
+    """(bytes stashed per micro-batch, extra bytes held during a backward) at the plan's own micro-batch size.
+
+    Derived from the plan's peak activations and the plan's schedule: without recompute the peak is
+    in_flight x stash; with recompute the stash is the stage inputs and one micro-batch's full
+    activations are rebuilt during its backward, so the peak is in_flight x inputs + full.
+    """
+    table = sched.build(plan.schedule, len(plan.stages), plan.microbatches)
+    live = max(sched.in_flight(table[stage.index]), 1)
+    if not stage.recompute:
+        return stage.memory.activations / live, 0.0
+    inputs = min(stage.comm_in_bytes, stage.memory.activations / live)
+    return inputs, stage.memory.activations - live * inputs
+
+
+def _static_bytes(stage: StagePlan) -> float:
+    return stage.memory.parameters + stage.memory.gradients + stage.memory.optimizer
+
+
+def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageCost:
+    scale = plan.microbatches / m
+    stash, during = stash_bytes(plan, stage)
+    recompute = stage.forward_seconds if stage.recompute else 0.0
+    device = target.device(stage.devices[0])
+    step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
+    return _StageCost(
+        forward=stage.forward_seconds * scale,
+        backward=(stage.backward_seconds + recompute) * scale,
+        in_bytes=stage.comm_in_bytes * scale,
+        out_bytes=stage.comm_out_bytes * scale,
+        stash=stash * scale,
+        during_backward=during * scale,
+        allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients),
+        step=step_bytes / device.memory_bandwidth,
+    )
+
+
+def _ensure_devices(plan: Plan, target: Target) -> None:
+    names = {d.name for d in target.devices}
+    for stage in plan.stages:
+        if not stage.devices:
+            raise OnnxpipeError(f"plan stage {stage.index} has no device; regenerate the plan with `onnxpipe plan`")
+        for d in stage.devices:
+            if d not in names:
+                raise OnnxpipeError(
+                    f"plan stage {stage.index} runs on {d!r}, which target {target.name!r} does not have; pass the plan's own target with --target"
+                )
+
+
+class _Links:
+    """Transfers in flight per directed device pair; bandwidth is split equally among those on one pair."""
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        #: (src, dst) -> [remaining bytes, transfer key] per shard in flight.
+        self.active: dict[tuple[str, str], list[list[Any]]] = {}
+        #: (arrival time, key) of transfers whose bytes are through and that wait out the latency.
+        self.landing: list[tuple[float, Any]] = []
+
+    def start(self, now: float, src: str, dst: str, nbytes: float, key: Any) -> None:
+        if src == dst or nbytes <= 0:
+            self.landing.append((now, key))
+        else:
+            self.active.setdefault((src, dst), []).append([nbytes, key])
+
+    def next_time(self, now: float) -> float:
+        times = [t for t, _ in self.landing]
+        for pair, flows in self.active.items():
+            if flows:
+                rate = self._target.link(*pair).bandwidth / len(flows)
+                times.append(now + min(f[0] for f in flows) / rate)
+        return min(times, default=math.inf)
+
+    def advance(self, now: float, later: float) -> list[Any]:
+        """Move bytes from now to later; return the keys that have arrived by `later`."""
+        for pair, flows in self.active.items():
+            if not flows:
+                continue
+            link = self._target.link(*pair)
+            rate = link.bandwidth / len(flows)
+            # Same expression as next_time, so the flow that set `later` finishes exactly then.
+            done = [f for f in flows if now + f[0] / rate <= later]
+            for f in flows:
+                f[0] -= (later - now) * rate
+            for f in done:
+                flows.remove(f)
+                self.landing.append((later + link.latency, f[1]))
+        arrived = [key for t, key in self.landing if t <= later]
+        self.landing = [(t, key) for t, key in self.landing if t > later]
+        return arrived
+
+
+def _shards(src: tuple[str, ...], dst: tuple[str, ...]) -> list[tuple[str, str, float]]:
+    """(src device, dst device, fraction) pairs moving one micro-batch between two (replicated) stages."""
+    n = max(len(src), len(dst))
+    return [(src[i % len(src)], dst[i % len(dst)], 1.0 / n) for i in range(n)]
+
+
+def _run(
+    plan: Plan, target: Target, table: sched.Table, costs: tuple[_StageCost, ...]
+) -> tuple[tuple[Event, ...], tuple[tuple[tuple[float, float], ...], ...], float]:
+    """The event loop: advance every stage as far as it can at `now`, then jump to the next event."""
+    lowered = sched.add_communication(table)
+    k = len(lowered)
+    cursor = [0] * k
+    free_at = [0.0] * k
+    #: Shards still travelling per transfer key ("F"|"B", receiving stage, micro-batch).
+    pending: dict[tuple[str, int, int], int] = {}
+    started: dict[tuple[str, int, int], float] = {}
+    arrived: dict[tuple[str, int, int], float] = {}
+    events: list[Event] = []
+    live = [_static_bytes(s) for s in plan.stages]
+    memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in live]
+    links = _Links(target)
+    now = 0.0
+
+    def mem(s: int, t: float, delta: float) -> None:
+        live[s] += delta
+        memory[s].append((t, live[s]))
+
+    while True:
+        progressed = True
+        while progressed:
+            progressed = False
+            for s in range(k):
+                while cursor[s] < len(lowered[s]) and free_at[s] <= now:
+                    a, c = lowered[s][cursor[s]], costs[s]
+                    if a.op in ("RECV_F", "RECV_B"):
+                        key = (a.op[-1], s, a.microbatch)
+                        if key not in arrived:
+                            break
+                        events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key]))
+                    elif a.op in ("SEND_F", "SEND_B"):
+                        kind, peer = ("F", s + 1) if a.op == "SEND_F" else ("B", s - 1)
+                        key = (kind, peer, a.microbatch)
+                        nbytes = c.out_bytes if kind == "F" else costs[peer].out_bytes
+                        shards = _shards(plan.stages[s].devices, plan.stages[peer].devices)
+                        pending[key], started[key] = len(shards), now
+                        for src, dst, share in shards:
+                            links.start(now, src, dst, nbytes * share, key)
+                    elif a.op == "F":
+                        mem(s, now, c.stash)
+                        free_at[s] = now + c.forward
+                        events.append(Event(s, "F", a.microbatch, now, free_at[s]))
+                    elif a.op == "B":
+                        mem(s, now, c.during_backward)
+                        free_at[s] = now + c.backward
+                        mem(s, free_at[s], -c.stash - c.during_backward)
+                        events.append(Event(s, "B", a.microbatch, now, free_at[s]))
+                    else:  # STEP
+                        if c.allreduce > 0:
+                            events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce))
+                        free_at[s] = now + c.allreduce + c.step
+                        events.append(Event(s, "STEP", -1, now + c.allreduce, free_at[s]))
+                    cursor[s] += 1
+                    progressed = True
+        if all(cursor[s] == len(lowered[s]) for s in range(k)):
+            break
+        later = min([t for t in free_at if t > now] + [links.next_time(now)])
+        if math.isinf(later):
+            stuck = next(s for s in range(k) if cursor[s] < len(lowered[s]))
+            raise OnnxpipeError(f"simulation stalled: stage {stuck} waits forever at {lowered[stuck][cursor[stuck]]}")
+        for key in links.advance(now, later):
+            pending[key] -= 1
+            if pending[key] == 0:
+                arrived[key] = later
+                kind, receiver, mb = key
+                sender = receiver - 1 if kind == "F" else receiver + 1
+                events.append(Event(sender, "SEND", mb, started[key], later))
+        now = later
+    end = max(free_at)
+    events.sort(key=lambda e: (e.stage, e.start, e.kind))
+    return tuple(events), tuple(tuple(m) for m in memory), end

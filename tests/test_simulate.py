@@ -1,0 +1,185 @@
+"""The simulator against closed-form pipeline figures on constructed plans, and the report and CLI around it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+
+from onnxpipe import schedule as sched
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
+from onnxpipe.simulate import Event, simulate
+from onnxpipe.target import Device, Link, Target
+
+GIB = 2.0**30
+
+
+def make_target(n: int, bandwidth: float = 1e12, latency: float = 0.0) -> Target:
+    devices = tuple(
+        Device(
+            name=f"acc_{i}",
+            group="acc",
+            kind="gpu",
+            peak_flops=MappingProxyType({"float32": 1e12}),
+            memory_bytes=16 * GIB,
+            memory_bandwidth=1e20,
+            efficiency=MappingProxyType({"default": 1.0}),
+            op_overhead=0.0,
+        )
+        for i in range(n)
+    )
+    return Target("toy", "toy cluster", devices, (Link(("acc", "acc"), bandwidth, latency, "switch"),), False, "<test>")
+
+
+def make_plan(
+    k: int,
+    m: int,
+    *,
+    schedule: str = "1f1b",
+    forward: float = 1.0,
+    backward: float = 2.0,
+    comm_bytes: float = 0.0,
+    stash: float = 100.0,
+    params: float = 0.0,
+    recompute: bool = False,
+    devices: tuple[tuple[str, ...], ...] | None = None,
+) -> Plan:
+    """A balanced plan whose peak activations follow the schedule's in-flight counts."""
+    table = sched.build(schedule, k, m)
+    devices = devices or tuple((f"acc_{i}",) for i in range(k))
+    stages = tuple(
+        StagePlan(
+            index=i,
+            devices=devices[i],
+            nodes=(f"n{i}",),
+            forward_seconds=forward,
+            backward_seconds=backward,
+            comm_in_seconds=0.0,
+            comm_out_seconds=0.0,
+            comm_in_bytes=comm_bytes if i > 0 else 0.0,
+            comm_out_bytes=comm_bytes if i < k - 1 else 0.0,
+            allreduce_seconds=0.0,
+            recompute=recompute,
+            memory=Memory(params, params, 2 * params, sched.in_flight(table[i]) * stash, 16 * GIB),
+        )
+        for i in range(k)
+    )
+    return Plan(
+        model="toy.onnx",
+        fingerprint="x",
+        target="toy",
+        dims={},
+        batch=8 * m,
+        microbatches=m,
+        schedule=schedule,
+        optimizer="sgd",
+        stages=stages,
+        bottleneck_seconds=forward + backward,
+        lower_bound_seconds=forward + backward,
+        iteration_seconds=0.0,
+        solver=SolveInfo("uniform", 0.0, 0.0, 0.0, 0.0, k),
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("k", "m"), [(1, 1), (2, 4), (4, 4), (4, 8), (3, 7)])
+def test_balanced_pipeline_matches_closed_form(schedule: str, k: int, m: int) -> None:
+    sim = simulate(make_plan(k, m, schedule=schedule), make_target(k))
+    assert sim.iteration_seconds == pytest.approx((m + k - 1) * 3.0)
+    assert sim.bubble_fraction == pytest.approx((k - 1) / (m + k - 1))
+    assert sim.busy_seconds == pytest.approx([m * 3.0] * k)
+    assert sim.samples_per_s == pytest.approx(8 * m / ((m + k - 1) * 3.0))
+    assert sum(1 for e in sim.events if e.kind == "F") == k * m
+
+
+def test_overrides_rescale_micro_batches() -> None:
+    plan = make_plan(4, 4, schedule="gpipe")
+    sim = simulate(plan, make_target(4), schedule="1f1b", microbatches=8)
+    # Same global batch in 8 micro-batches: each takes half the time.
+    assert sim.iteration_seconds == pytest.approx((8 + 3) * 1.5)
+    assert (sim.schedule, sim.microbatches) == ("1f1b", 8)
+
+
+def test_link_sharing_slows_concurrent_transfers() -> None:
+    # Stage 0 finishes forwards every 1 s but each transfer alone needs 10 s: two run at once on one link.
+    target = make_target(2, bandwidth=1e9)
+    plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=10e9)
+    sim = simulate(plan, target)
+    sends = sorted((e for e in sim.events if e.kind == "SEND" and e.stage == 0), key=lambda e: e.microbatch)
+    # mb0 alone from 1 s to 2 s (1 GB), then both at 0.5 GB/s: mb0's other 9 GB end at 20 s; mb1's last GB alone.
+    assert [(e.start, e.end) for e in sends] == [(1.0, pytest.approx(20.0)), (2.0, pytest.approx(21.0))]
+    unshared = simulate(make_plan(2, 1, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=10e9), target)
+    assert next(e for e in unshared.events if e.kind == "SEND").end == pytest.approx(11.0)
+
+
+def test_latency_and_bandwidth_add_to_each_hop() -> None:
+    target = make_target(2, bandwidth=1e9, latency=0.5)
+    plan = make_plan(2, 1, forward=1.0, backward=1.0, comm_bytes=1e9)
+    # F0 1 s, hop 1.5 s, F1 1 s, B1 1 s, gradient hop 1.5 s, B0 1 s.
+    assert simulate(plan, target).iteration_seconds == pytest.approx(7.0)
+
+
+def test_replicated_stage_adds_allreduce_before_step() -> None:
+    target = make_target(3, bandwidth=1e9)
+    plain = make_plan(2, 2, devices=(("acc_0",), ("acc_1",)))
+    replicated = make_plan(2, 2, params=1e9, devices=(("acc_0", "acc_2"), ("acc_1",)))
+    a, b = simulate(plain, target), simulate(replicated, target)
+    allreduce = target.allreduce_seconds(("acc_0", "acc_2"), 1e9)
+    assert allreduce > 0
+    assert b.iteration_seconds == pytest.approx(a.iteration_seconds + allreduce)
+    (event,) = [e for e in b.events if e.kind == "ALLREDUCE"]
+    step = next(e for e in b.events if e.kind == "STEP" and e.stage == 0)
+    assert (event.stage, event.end) == (0, pytest.approx(step.start))
+
+
+def test_one_f_one_b_holds_less_activation_memory_than_gpipe() -> None:
+    k, m = 4, 8
+    target = make_target(k)
+    # Stash per micro-batch is the same; each plan's peak follows its own schedule.
+    gpipe, one = simulate(make_plan(k, m, schedule="gpipe"), target), simulate(make_plan(k, m, schedule="1f1b"), target)
+    assert gpipe.peak_memory_bytes == pytest.approx([m * 100.0] * k)
+    assert one.peak_memory_bytes == pytest.approx([(k - s) * 100.0 for s in range(k)])
+    # The override re-derives in-flight memory from the new table.
+    switched = simulate(make_plan(k, m, schedule="gpipe"), target, schedule="1f1b")
+    assert switched.peak_memory_bytes == pytest.approx(one.peak_memory_bytes)
+
+
+def test_recompute_lowers_memory_and_costs_time() -> None:
+    k, m = 2, 4
+    target = make_target(k)
+    base = make_plan(k, m, schedule="gpipe", stash=1000.0, comm_bytes=10.0)
+    table = sched.build("gpipe", k, m)
+    stages = tuple(
+        replace(s, recompute=True, memory=replace(s.memory, activations=sched.in_flight(table[s.index]) * 10.0 + 1000.0))
+        for s in base.stages
+    )
+    recomputed = replace(base, stages=stages)
+    a, b = simulate(base, target), simulate(recomputed, target)
+    assert all(x < y for x, y in zip(b.peak_memory_bytes, a.peak_memory_bytes))
+    assert b.iteration_seconds == pytest.approx(a.iteration_seconds + (m + k - 1) * 1.0)
+
+
+def test_memory_timeline_returns_to_static_bytes() -> None:
+    sim = simulate(make_plan(3, 4, params=50.0), make_target(3))
+    for s, samples in enumerate(sim.memory):
+        assert samples[0] == (0.0, 200.0)
+        assert samples[-1][1] == pytest.approx(200.0)
+        assert sim.peak_memory_bytes[s] == pytest.approx(200.0 + (3 - s) * 100.0)
+
+
+def test_json_has_the_figures_train_reports() -> None:
+    data = simulate(make_plan(2, 2), make_target(2)).to_json()
+    for key in ("iteration_seconds", "samples_per_s", "bubble_fraction", "busy_seconds", "peak_memory_bytes"):
+        assert key in data
+    assert len(data["busy_seconds"]) == len(data["peak_memory_bytes"]) == 2
+    json.dumps(data)
+
+
+def test_unknown_device_is_a_clear_error() -> None:
+    with pytest.raises(OnnxpipeError, match="does not have"):
+        simulate(make_plan(3, 2), make_target(2))
