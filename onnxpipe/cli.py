@@ -14,7 +14,8 @@ from rich.markup import escape
 from onnxpipe.errors import OnnxpipeError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cut ONNX models into balanced pipeline stages and train them as a pipeline.")
-console = Console()
+#: Tables keep their columns when output goes to a file or pipe (rich would assume 80 columns).
+console = Console(width=None if sys.stdout.isatty() else 132)
 err_console = Console(stderr=True)
 _state = {"debug": False}
 
