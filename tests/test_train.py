@@ -190,9 +190,9 @@ def test_bad_batch_shape_names_the_batch_flag() -> None:
 
 # --- worker processes ------------------------------------------------------------------------
 
-def _onnxpipe_segments() -> list[str]:
+def _segments(prefix: str) -> list[str]:
     root = Path("/dev/shm")
-    return sorted(p.name for p in root.glob("onnxpipe_*")) if root.is_dir() else []
+    return sorted(p.name for p in root.glob(f"{prefix}*")) if root.is_dir() else []
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -209,14 +209,14 @@ def test_worker_processes_match_unpartitioned(name: str, k: int, schedule: str, 
         losses = [pipe.train_step(mb) for mb in batches(name, manifest, config)]
         weights = pipe.parameters()
         stats = pipe.last
-        pids = pipe.pids
+        pids, prefix = pipe.pids, pipe.segment_prefix
     ref_losses, ref_weights = reference(name, SGD)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     for key, value in ref_weights.items():
         assert float(np.max(np.abs(weights[key] - value))) <= RTOL * 10 * max(1.0, float(np.max(np.abs(value)))), key
     assert stats is not None and len(stats.busy_seconds) == k and all(b > 0 for b in stats.busy_seconds)
     assert all(m > 0 for m in stats.peak_rss_bytes)
-    assert not _alive(pids) and not _onnxpipe_segments()
+    assert not _alive(pids) and not _segments(prefix)
 
 
 def test_killed_worker_fails_fast_naming_the_stage() -> None:
@@ -231,7 +231,7 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
     config = TrainConfig(schedule="1f1b", microbatches=M, optimizer=SGD)
     data = batches("gpt2-tiny", manifest, config, steps=1)[0]
     pipe = ProcessPipeline(prepare_stages(directory, manifest, config))
-    pids = pipe.pids
+    pids, prefix = pipe.pids, pipe.segment_prefix
     killed: list[float] = []
 
     def kill() -> None:
@@ -244,7 +244,7 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
         for _ in range(100000):
             pipe.train_step(data)
     assert killed and time.monotonic() - killed[0] < 5.0
-    assert not _alive(pids) and not _onnxpipe_segments()
+    assert not _alive(pids) and not _segments(prefix)
 
 
 def test_worker_error_names_stage_microbatch_and_phase() -> None:
@@ -255,10 +255,10 @@ def test_worker_error_names_stage_microbatch_and_phase() -> None:
     data = batches("gpt2-tiny", manifest, config, steps=1)[0]
     data[2]["input_ids"] = data[2]["input_ids"] + 10_000  # out of the vocabulary: Gather fails in stage 0
     with ProcessPipeline(prepare_stages(directory, manifest, config)) as pipe:
-        pids = pipe.pids
+        pids, prefix = pipe.pids, pipe.segment_prefix
         with pytest.raises(OnnxpipeError, match=r"stage 0 failed at micro-batch 2 \(forward\): .*"):
             pipe.train_step(data)
-    assert not _alive(pids) and not _onnxpipe_segments()
+    assert not _alive(pids) and not _segments(prefix)
 
 
 # --- checkpoints, the Pipeline API and the command line ---------------------------------------

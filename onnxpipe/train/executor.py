@@ -82,6 +82,11 @@ class ProcessPipeline:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    @property
+    def segment_prefix(self) -> str:
+        """Name prefix of every shared-memory segment of this pipeline."""
+        return self._prefix
+
     def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
         start = time.perf_counter()
         self._post(microbatches)
