@@ -5,8 +5,8 @@ Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public e
 `_run` (the event loop over the lowered action table, with `_Links` sharing link bandwidth).
 
 Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
-order on its device(s). F and B take the plan's per-micro-batch seconds (recompute adds one
-forward before each backward). SEND starts a transfer and does not block the sender; RECV blocks
+order on its device(s). F and B take the plan's per-micro-batch seconds (a recomputing stage's
+backward seconds already include its second forward). SEND starts a transfer and does not block the sender; RECV blocks
 until the matching transfer has arrived. Every directed device pair is one physical link channel:
 transfers in flight on it share its bandwidth equally (processor sharing), then pay its latency.
 A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
@@ -15,8 +15,8 @@ parameters, gradients and optimizer state at the device's memory bandwidth).
 
 Definitions shared with the executor's measurements:
 - `iteration_seconds`: from the first action to the end of the last STEP.
-- `busy_seconds[s]`: seconds stage s spends in F and B (compute only; not transfers,
-  all-reduce or optimizer step). Replicas of a stage run in lockstep, so one number per stage.
+- `busy_seconds[s]`: seconds stage s spends computing: F, B and the optimizer step (not
+  transfers, not all-reduce). Replicas of a stage run in lockstep, so one number per stage.
 - `bubble_fraction = 1 - sum(busy_seconds) / (k * iteration_seconds)`, k = number of stages.
 """
 
@@ -35,6 +35,8 @@ __all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "stash_bytes"]
 
 #: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
 EVENT_KINDS = ("F", "B", "SEND", "RECV", "ALLREDUCE", "STEP")
+#: Kinds that count as busy.
+_COMPUTE = ("F", "B", "STEP")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Simulation:
     samples_per_s: float
     #: 1 - sum(busy_seconds) / (stages * iteration_seconds): the share of stage time without compute.
     bubble_fraction: float
-    #: Per stage: seconds of F and B compute in the iteration.
+    #: Per stage: seconds of compute (F, B, optimizer step) in the iteration.
     busy_seconds: tuple[float, ...]
     #: Per stage: peak bytes on one of its devices (parameters + gradients + optimizer + live activations).
     peak_memory_bytes: tuple[float, ...]
@@ -78,7 +80,7 @@ class Simulation:
     memory: tuple[tuple[tuple[float, float], ...], ...]
 
     def to_json(self) -> dict[str, Any]:
-        """The figures `onnxpipe train --json` also reports (same names, lists indexed by stage), plus the timeline."""
+        """The figures `onnxpipe train --json` reports, under the same names and layout, plus the timeline."""
         return {
             "schedule": self.schedule,
             "microbatches": self.microbatches,
@@ -86,10 +88,16 @@ class Simulation:
             "iteration_seconds": self.iteration_seconds,
             "samples_per_s": self.samples_per_s,
             "bubble_fraction": self.bubble_fraction,
-            "busy_seconds": list(self.busy_seconds),
-            "peak_memory_bytes": list(self.peak_memory_bytes),
-            "capacity_bytes": list(self.capacity_bytes),
-            "devices": [list(d) for d in self.devices],
+            "stages": [
+                {
+                    "stage": s,
+                    "devices": list(self.devices[s]),
+                    "busy_seconds": self.busy_seconds[s],
+                    "peak_memory_bytes": self.peak_memory_bytes[s],
+                    "capacity_bytes": self.capacity_bytes[s],
+                }
+                for s in range(len(self.devices))
+            ],
             "events": [[e.stage, e.kind, e.microbatch, e.start, e.end] for e in self.events],
         }
 
@@ -99,7 +107,7 @@ class _StageCost:
     """What one stage costs per micro-batch, at the simulated micro-batch size."""
 
     forward: float
-    #: Backward seconds including the recomputed forward when the stage recomputes.
+    #: Backward seconds (including the recomputed forward when the stage recomputes).
     backward: float
     #: Bytes of activations received per micro-batch (from the previous stage).
     in_bytes: float
@@ -129,7 +137,7 @@ def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microba
     costs = tuple(_stage_cost(plan, stage, target, m) for stage in plan.stages)
     events, memory, end = _run(plan, target, table, costs)
     busy = tuple(
-        sum(e.end - e.start for e in events if e.stage == s and e.kind in ("F", "B")) for s in range(len(plan.stages))
+        sum(e.end - e.start for e in events if e.stage == s and e.kind in _COMPUTE) for s in range(len(plan.stages))
     )
     iteration = end
     bubble = 1.0 - sum(busy) / (len(plan.stages) * iteration) if iteration > 0 else 0.0
@@ -153,15 +161,15 @@ def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microba
 def stash_bytes(plan: Plan, stage: StagePlan) -> tuple[float, float]:
     """(bytes stashed per micro-batch, extra bytes held during a backward) at the plan's own micro-batch size.
 
-    Derived from the plan's peak activations and the plan's schedule: without recompute the peak is
-    in_flight x stash; with recompute the stash is the stage inputs and one micro-batch's full
-    activations are rebuilt during its backward, so the peak is in_flight x inputs + full.
+    The peak activations of a plan are in_flight x stash without recompute, and in_flight x inputs +
+    one micro-batch's full activations (rebuilt during its backward) with recompute. The stash is the
+    plan's `stash_bytes` when given, else derived from the peak (inputs = the bytes it receives).
     """
     table = sched.build(plan.schedule, len(plan.stages), plan.microbatches)
     live = max(sched.in_flight(table[stage.index]), 1)
     if not stage.recompute:
-        return stage.memory.activations / live, 0.0
-    inputs = min(stage.comm_in_bytes, stage.memory.activations / live)
+        return stage.stash_bytes or stage.memory.activations / live, 0.0
+    inputs = min(stage.stash_bytes or stage.comm_in_bytes, stage.memory.activations / live)
     return inputs, stage.memory.activations - live * inputs
 
 
@@ -172,12 +180,11 @@ def _static_bytes(stage: StagePlan) -> float:
 def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageCost:
     scale = plan.microbatches / m
     stash, during = stash_bytes(plan, stage)
-    recompute = stage.forward_seconds if stage.recompute else 0.0
     device = target.device(stage.devices[0])
     step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
     return _StageCost(
         forward=stage.forward_seconds * scale,
-        backward=(stage.backward_seconds + recompute) * scale,
+        backward=stage.backward_seconds * scale,
         in_bytes=stage.comm_in_bytes * scale,
         out_bytes=stage.comm_out_bytes * scale,
         stash=stash * scale,

@@ -155,7 +155,12 @@ def test_recompute_lowers_memory_and_costs_time() -> None:
     base = make_plan(k, m, schedule="gpipe", stash=1000.0, comm_bytes=10.0)
     table = sched.build("gpipe", k, m)
     stages = tuple(
-        replace(s, recompute=True, memory=replace(s.memory, activations=sched.in_flight(table[s.index]) * 10.0 + 1000.0))
+        replace(
+            s,
+            recompute=True,
+            backward_seconds=s.backward_seconds + s.forward_seconds,
+            memory=replace(s.memory, activations=sched.in_flight(table[s.index]) * 10.0 + 1000.0),
+        )
         for s in base.stages
     )
     recomputed = replace(base, stages=stages)
@@ -173,11 +178,11 @@ def test_memory_timeline_returns_to_static_bytes() -> None:
 
 
 def test_json_has_the_figures_train_reports() -> None:
-    data = simulate(make_plan(2, 2), make_target(2)).to_json()
-    for key in ("iteration_seconds", "samples_per_s", "bubble_fraction", "busy_seconds", "peak_memory_bytes"):
+    data = json.loads(json.dumps(simulate(make_plan(2, 2), make_target(2)).to_json()))
+    for key in ("iteration_seconds", "samples_per_s", "bubble_fraction", "schedule", "microbatches", "batch"):
         assert key in data
-    assert len(data["busy_seconds"]) == len(data["peak_memory_bytes"]) == 2
-    json.dumps(data)
+    assert [(s["stage"], s["busy_seconds"], s["peak_memory_bytes"]) for s in data["stages"]] == [(0, 6.0, 200.0), (1, 6.0, 100.0)]
+    assert ["F", "B", "SEND", "RECV", "STEP"] == sorted({e[1] for e in data["events"]}, key=["F", "B", "SEND", "RECV", "STEP"].index)
 
 
 def test_unknown_device_is_a_clear_error() -> None:

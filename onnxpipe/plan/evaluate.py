@@ -188,6 +188,7 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
         allreduce_seconds=problem.target.allreduce_seconds(tuple(devices), params),
         recompute=recompute,
         memory=memory,
+        stash_bytes=float(comm.stash_bytes[s]) / r if recompute else activations,
     )
     step = optimizer_seconds(params, problem.optimizer_states, float(min(problem.memory_bandwidth[g] for g in groups)))
     return plan, step

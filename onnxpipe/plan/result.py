@@ -52,6 +52,9 @@ class StagePlan:
     #: True: only stage inputs are stashed and backward recomputes the forward.
     recompute: bool
     memory: Memory
+    #: Bytes one micro-batch leaves stashed on one device from its forward to its backward (its
+    #: activations, or its inputs when recomputing); 0 when unknown (the simulator derives it from memory).
+    stash_bytes: float = 0.0
 
     @property
     def busy_seconds(self) -> float:
