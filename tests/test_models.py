@@ -58,7 +58,8 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None = None) -> 
 
 
 def _float_weights(model: onnx.ModelProto) -> set[str]:
-    return {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    """Trainable weights: float initializers of more than one element (scalars are formula constants)."""
+    return {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and math.prod(t.dims) > 1}
 
 
 def _param_count(model: onnx.ModelProto) -> int:
@@ -118,7 +119,7 @@ def test_training_variant_has_a_gradient_for_every_weight(name: str) -> None:
     from onnxruntime.capi._pybind_state import GradientGraphBuilder  # the C++ builder; no torch import
 
     model = models.build(name, train=True)
-    weights = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims)}
+    weights = _float_weights(model)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     builder = GradientGraphBuilder(model.SerializeToString(), {"loss"}, weights, "loss", options)
