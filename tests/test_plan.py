@@ -194,6 +194,12 @@ def test_more_stages_than_devices_is_an_error() -> None:
         plan(graph, costs, make_target([("g", 2, 1e12, 1e9)]), stages=3)
 
 
+def test_more_stages_than_nodes_is_an_error() -> None:
+    graph = load(chain_model(2, {}))
+    with pytest.raises(OnnxpipeError, match="the model has 2 compute nodes, fewer than 3 stages; use at most 2 stages"):
+        plan(graph, hand_costs(graph, [1e9] * 2), make_target([("g", 4, 1e12, 1e9)]), stages=3)
+
+
 def test_evaluate_rejects_backward_flow() -> None:
     graph = load(chain_model(3, {}))
     costs = hand_costs(graph, [1e9] * 3)

@@ -29,7 +29,7 @@ _AGREE = 1e-4
 
 def default_blocks(stages: int) -> int:
     """Enough blocks for balanced stages, few enough for CP-SAT to prove optimality quickly."""
-    return min(400, 40 * stages)
+    return min(400, max(120, 40 * stages))
 
 
 def solve(
@@ -74,7 +74,8 @@ def solve(
         found.append(mine)
         agrees = abs(result.objective_seconds - mine.bottleneck_seconds) <= tolerance + _AGREE * mine.bottleneck_seconds
     report("comparing against baselines")
-    found.extend(p for name, p in baselines(problem, stages, recompute, replicas, blocks).items() if name != "data-parallel")
+    # The baselines exactly as `compare` reports them, so the plan is never worse than any of them.
+    found.extend(p for name, p in baselines(problem, stages, recompute, replicas).items() if name != "data-parallel")
     best = _choose(found)
     if best is None:
         raise OnnxpipeError(infeasible_message(problem, bound, stages))
@@ -114,5 +115,7 @@ def infeasible_message(problem: Problem, bound: LowerBound, stages: int) -> str:
 
 
 def _ensure_some_fit(problem: Problem, bound: LowerBound, stages: int) -> None:
+    if problem.n < stages:
+        raise OnnxpipeError(f"the model has {problem.n} compute nodes, fewer than {stages} stages; use at most {problem.n} stages")
     if not bound.fits:
         raise OnnxpipeError(infeasible_message(problem, bound, stages))
