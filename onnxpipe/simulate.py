@@ -9,6 +9,8 @@ order on its device(s). F and B take the plan's per-micro-batch seconds (a recom
 backward seconds already include its second forward). SEND starts a transfer and does not block the sender; RECV blocks
 until the matching transfer has arrived. Every directed device pair is one physical link channel:
 transfers in flight on it share its bandwidth equally (processor sharing), then pay its latency.
+On "shm" links (worker processes on one host) the sending process does the copying, so it is
+blocked until its transfer has arrived; other links move data in the background (DMA).
 A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
 of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth).
@@ -263,6 +265,8 @@ def _run(
     k = len(lowered)
     cursor = [0] * k
     free_at = [0.0] * k
+    #: A sender on a copying ("shm") link waits for its transfer's arrival before its next action.
+    blocked_on: list[tuple[str, int, int] | None] = [None] * k
     #: Shards still travelling per transfer key ("F"|"B", receiving stage, micro-batch).
     pending: dict[tuple[str, int, int], int] = {}
     started: dict[tuple[str, int, int], float] = {}
@@ -283,6 +287,10 @@ def _run(
             progressed = False
             for s in range(k):
                 while cursor[s] < len(lowered[s]) and free_at[s] <= now:
+                    if blocked_on[s] is not None:
+                        if blocked_on[s] not in arrived:
+                            break
+                        blocked_on[s] = None
                     a, c = lowered[s][cursor[s]], costs[s]
                     if a.op in ("RECV_F", "RECV_B"):
                         key = (a.op[-1], s, a.microbatch)
@@ -297,6 +305,8 @@ def _run(
                         pending[key], started[key] = len(shards), now
                         for src, dst, share in shards:
                             links.start(now, src, dst, nbytes * share, key)
+                        if any(src != dst and target.link(src, dst).topology == "shm" for src, dst, _ in shards):
+                            blocked_on[s] = key
                     elif a.op == "F":
                         mem(s, now, c.stash)
                         free_at[s] = now + c.forward
@@ -328,5 +338,7 @@ def _run(
                 events.append(Event(sender, "SEND", mb, started[key], later))
         now = later
     end = max(free_at)
+    # Changes at one instant (a backward freeing, the next forward stashing) become one sample.
+    memory = [[p for i, p in enumerate(samples) if i + 1 == len(samples) or samples[i + 1][0] != p[0]] for samples in memory]
     events.sort(key=lambda e: (e.stage, e.start, e.kind))
     return tuple(events), tuple(tuple(m) for m in memory), end
