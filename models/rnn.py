@@ -4,6 +4,8 @@ GNMT's structure kept here: stacked encoder LSTMs with residual connections from
 on, a decoder whose bottom layer starts from the encoder's final states and whose output attends
 over the encoder outputs, the attention context fed to every upper decoder layer, and a vocabulary
 projection. Teacher forcing: the decoder reads the target tokens, so the graph is static.
+Inside, tensors are time-major ([seq, batch, ...]: onnxruntime runs only layout-0 LSTMs); the graph
+inputs and the logits are batch-major.
 """
 
 from __future__ import annotations
