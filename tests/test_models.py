@@ -12,10 +12,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper, shape_inference
-from typer.testing import CliRunner
 
 from onnxpipe import models
-from onnxpipe.cli import app
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
 from onnxpipe.models import legacy
@@ -296,6 +294,10 @@ def test_save_with_external_data_round_trips(tmp_path) -> None:
 
 
 def test_cli_lists_and_builds_models(tmp_path) -> None:
+    from typer.testing import CliRunner  # imported here: the model tests do not depend on the CLI
+
+    from onnxpipe.cli import app
+
     runner = CliRunner()
     listed = runner.invoke(app, ["models"])
     assert listed.exit_code == 0 and "gpt2-tiny" in listed.output and "resnet50" in listed.output
