@@ -480,3 +480,68 @@ def train(
         if json_path:
             write_json(json_path, metrics)
             console.print(f"wrote {escape(json_path)}", highlight=False)
+
+
+# --- simulate, report ----------------------------------------------------------
+
+
+@app.command("simulate")
+@friendly
+def simulate_command(
+    plan_path: str = typer.Argument(..., metavar="PLAN|DIR", help="A plan JSON or a stage directory (holding plan.json)."),
+    target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
+    schedule: str = typer.Option(None, "--schedule", help="Simulate another schedule: gpipe or 1f1b (default: the plan's)."),
+    microbatches: int = typer.Option(None, "--microbatches", min=1, help="Micro-batches for the same global batch (default: the plan's)."),
+    json_path: str = typer.Option(None, "--json", help="Write the figures and the timeline as JSON (the names `train --json` uses)."),
+) -> None:
+    """Predict one training iteration of a plan: per-device busy and idle time, peak memory, throughput, bubble."""
+    from rich.table import Table
+
+    from onnxpipe import schedule as schedules
+    from onnxpipe.simulate import plan_target, read_plan, simulate
+    from onnxpipe.train.fit import write_json
+    from onnxpipe.units import format_bytes
+
+    plan = read_plan(plan_path)
+    sim = simulate(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
+    ms = 1e3
+    table = Table(title=f"{len(plan.stages)} stages, {sim.schedule}, {sim.microbatches} micro-batches, batch {sim.batch}")
+    for column in ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"):
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
+    for s, devices in enumerate(sim.devices):
+        busy = sim.busy_seconds[s]
+        table.add_row(str(s), escape(", ".join(devices)), f"{busy * ms:.3f}", f"{(sim.iteration_seconds - busy) * ms:.3f}",
+                      f"{busy / sim.iteration_seconds:.0%}", f"{format_bytes(sim.peak_memory_bytes[s])} / {format_bytes(sim.capacity_bytes[s])}")
+    console.print(table)
+    console.print(f"iteration {sim.iteration_seconds * ms:.3f} ms, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%} "
+                  f"(planner's estimate {plan.iteration_seconds * ms:.3f} ms)", highlight=False)
+    if len(sim.devices) <= 8 and sim.microbatches <= 8:
+        console.print(escape(schedules.render(schedules.build(sim.schedule, len(sim.devices), sim.microbatches))), highlight=False)
+    if json_path:
+        write_json(json_path, sim.to_json())
+        console.print(f"wrote {escape(json_path)}", highlight=False)
+
+
+@app.command("report")
+@friendly
+def report_command(
+    plan_path: str = typer.Argument(..., metavar="DIR|PLAN", help="A stage directory (holding plan.json) or a plan JSON."),
+    output: str = typer.Option("report.html", "-o", "--output", help="The HTML page; the figures go beside it as report_*.png."),
+    target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
+    model: str = typer.Option(None, "--model", help="The .onnx the plan was made for (default: the plan's model path, if it exists)."),
+    schedule: str = typer.Option(None, "--schedule", help="Draw another schedule: gpipe or 1f1b (default: the plan's)."),
+    microbatches: int = typer.Option(None, "--microbatches", min=1, help="Micro-batches for the same global batch (default: the plan's)."),
+) -> None:
+    """Write one HTML page about a plan: stage table, schedule Gantt chart, memory per device, the model by stage."""
+    from onnxpipe import report
+    from onnxpipe.simulate import plan_target, read_plan, simulate
+
+    plan = read_plan(plan_path)
+    sim = simulate(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
+    with console.status("drawing ..."):
+        found = report.model_costs(plan, model)
+        graph, costs = found if found else (None, None)
+        written = report.write(output, plan, sim, graph=graph, costs=costs)
+    if found is None:
+        console.print(f"model {escape(plan.model)} not found: no model figure (pass --model)", highlight=False)
+    console.print("wrote " + ", ".join(escape(str(p)) for p in written), highlight=False)

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from onnxpipe.cost import Costs
+from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.plan.result import Plan
 from onnxpipe.simulate import Event, Simulation
 from onnxpipe.units import format_bytes, format_seconds
 
-__all__ = ["write", "gantt_figure", "memory_figure", "model_figure", "COLORS"]
+__all__ = ["write", "model_costs", "gantt_figure", "memory_figure", "model_figure", "COLORS"]
 
 #: One colour per kind of time, shared by every chart.
 COLORS = {
@@ -63,6 +64,22 @@ def write(
     page = _html(plan, simulation, pngs, measured)
     written.append(_atomic_write(path, page.encode("utf-8")))
     return tuple(written)
+
+
+def model_costs(plan: Plan, model: str | os.PathLike | None = None) -> tuple[Graph, Costs] | None:
+    """The graph and analytic costs of the plan's model (or `model`), for the model strip; None when absent."""
+    from onnxpipe.cost import annotate
+    from onnxpipe.graph import load
+
+    source = Path(model) if model else Path(plan.model)
+    if not source.is_file():
+        if model:
+            raise OnnxpipeError(f"{model}: no such model file; pass the .onnx the plan was made for with --model")
+        return None
+    graph = load(source, plan.dims)
+    if graph.fingerprint != plan.fingerprint:
+        raise OnnxpipeError(f"{source}: not the model this plan was made for (fingerprints differ); pass the right one with --model")
+    return graph, annotate(graph)
 
 
 def gantt_figure(simulation: Simulation, plan: Plan, measured: Sequence[Event] | None = None) -> Any:

@@ -25,15 +25,17 @@ Definitions shared with the executor's measurements:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.result import Plan, StagePlan
-from onnxpipe.target import Target
+from onnxpipe.target import Target, load_target
 
-__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "stash_bytes"]
+__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "read_plan", "plan_target", "stash_bytes"]
 
 #: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
 EVENT_KINDS = ("F", "B", "SEND", "RECV", "ALLREDUCE", "STEP")
@@ -160,6 +162,21 @@ def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microba
     )
 
 
+def read_plan(path: str | os.PathLike) -> Plan:
+    """A plan from its JSON file or from a stage directory (which holds plan.json)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "plan.json").is_file():
+            raise OnnxpipeError(f"{path}: no plan.json in this directory; pass a plan JSON or a directory written by `onnxpipe split`")
+        path = path / "plan.json"
+    return Plan.read(path)
+
+
+def plan_target(plan: Plan, target: str | None = None) -> Target:
+    """The target named by `target`, else the one the plan was made for."""
+    return load_target(target or plan.target)
+
+
 def stash_bytes(plan: Plan, stage: StagePlan) -> tuple[float, float]:
     """(bytes stashed per micro-batch, extra bytes held during a backward) at the plan's own micro-batch size.
 
@@ -182,7 +199,7 @@ def _static_bytes(stage: StagePlan) -> float:
 def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageCost:
     scale = plan.microbatches / m
     stash, during = stash_bytes(plan, stage)
-    device = target.device(stage.devices[0])
+    bandwidth = min(target.device(d).memory_bandwidth for d in stage.devices)
     step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
     return _StageCost(
         forward=stage.forward_seconds * scale,
@@ -192,7 +209,7 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
         stash=stash * scale,
         during_backward=during * scale,
         allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients),
-        step=step_bytes / device.memory_bandwidth,
+        step=step_bytes / bandwidth,
     )
 
 

@@ -13,7 +13,7 @@ import pytest
 from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
-from onnxpipe.simulate import Event, simulate
+from onnxpipe.simulate import plan_target, simulate
 from onnxpipe.target import Device, Link, Target
 
 GIB = 2.0**30
@@ -188,3 +188,64 @@ def test_json_has_the_figures_train_reports() -> None:
 def test_unknown_device_is_a_clear_error() -> None:
     with pytest.raises(OnnxpipeError, match="does not have"):
         simulate(make_plan(3, 2), make_target(2))
+
+
+def test_shm_sender_waits_for_its_copy() -> None:
+    target = make_target(2, bandwidth=1e9)
+    target = replace(target, links=(replace(target.links[0], topology="shm"),))
+    sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=2e9), target)
+    forwards = [e for e in sim.events if e.stage == 0 and e.kind == "F"]
+    # Stage 0 copies mb0 for 2 s before it may start mb1.
+    assert forwards[1].start == pytest.approx(3.0)
+
+
+def fpga_plan(k: int = 2, m: int = 4) -> Plan:
+    plan = make_plan(k, m, params=1e6, devices=tuple((f"u280_{i}",) for i in range(k)))
+    return replace(plan, target="fpga4")
+
+
+def test_report_embeds_figures(tmp_path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    from onnxpipe import report
+    from onnxpipe.cost import annotate
+    from onnxpipe.graph import load
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], [0.1] * 64)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm0"), helper.make_node("Relu", ["h"], ["y"], name="relu")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [w]), opset_imports=[helper.make_opsetid("", 17)])
+    graph = load(model)
+    plan = fpga_plan()
+    plan = replace(plan, stages=(replace(plan.stages[0], nodes=("mm0",)), replace(plan.stages[1], nodes=("relu",))))
+    sim = simulate(plan, plan_target(plan))
+    written = report.write(tmp_path / "r.html", plan, sim, graph=graph, costs=annotate(graph), measured=sim.events)
+    assert sorted(p.name for p in written) == ["r.html", "report_gantt.png", "report_memory.png", "report_model.png"]
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("data:image/png;base64,") == 3
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written if p.suffix == ".png")
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxpipe", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_simulate_and_report(tmp_path) -> None:
+    plan = fpga_plan(2, 4)
+    (tmp_path / "stages").mkdir()
+    plan.save(tmp_path / "stages" / "plan.json")
+    run = _cli("simulate", "stages", "--schedule", "gpipe", "--json", "sim.json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3 0STEP" in run.stdout
+    data = json.loads((tmp_path / "sim.json").read_text())
+    expected = simulate(plan, plan_target(plan), schedule="gpipe")
+    assert data["iteration_seconds"] == pytest.approx(expected.iteration_seconds)
+    run = _cli("report", "stages/plan.json", "-o", "out.html", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "data:image/png;base64," in (tmp_path / "out.html").read_text()
+    assert (tmp_path / "report_gantt.png").is_file() and (tmp_path / "report_memory.png").is_file()
+    bad = _cli("simulate", "missing.json", cwd=tmp_path)
+    assert bad.returncode == 2 and "no such plan file" in bad.stderr

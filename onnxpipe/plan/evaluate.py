@@ -8,7 +8,7 @@ Reading order: `Assignment` -> `evaluate` -> `_ensure_assignment` -> `_communica
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.bounds import lower_bound
 from onnxpipe.plan.problem import Problem, in_flight
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
-from onnxpipe.plan.timing import iteration_seconds, optimizer_seconds
+from onnxpipe.plan.timing import iteration_seconds
 
 __all__ = ["Assignment", "evaluate", "fits", "overflow"]
 
@@ -40,17 +40,12 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
     groups = [np.array([problem.group_of(d) for d in devs]) for devs in assignment.devices]
     comm = _communication(problem, stage_of, groups, k)
     flights = in_flight(problem.schedule, k, problem.microbatches)
-    stage_plans = []
-    steps = []
-    for s in range(k):
-        plan, step = _stage(problem, s, stage_of == s, assignment, groups[s], comm, flights[s])
-        stage_plans.append(plan)
-        steps.append(step)
+    stage_plans = [_stage(problem, s, stage_of == s, assignment, groups[s], comm, flights[s]) for s in range(k)]
     bottleneck = max(p.seconds_per_microbatch(problem.microbatches) for p in stage_plans)
     bound = lower_bound(problem, k, replicas).seconds
     info = solver or SolveInfo(status="given", bound_seconds=bound, gap=_gap(bottleneck, bound), solve_seconds=0.0, coarsening_loss=0.0, blocks=problem.n)
     graph = problem.graph
-    return Plan(
+    plan = Plan(
         model=graph.source,
         fingerprint=graph.fingerprint,
         target=problem.target.name,
@@ -62,9 +57,10 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
         stages=tuple(stage_plans),
         bottleneck_seconds=bottleneck,
         lower_bound_seconds=bound,
-        iteration_seconds=iteration_seconds(stage_plans, problem.microbatches, problem.schedule, steps),
+        iteration_seconds=0.0,
         solver=info,
     )
+    return replace(plan, iteration_seconds=iteration_seconds(plan, problem.target))
 
 
 def fits(plan: Plan) -> bool:
@@ -153,8 +149,8 @@ def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarr
     return _Comm(in_b, out_b, in_s, out_s, stash)
 
 
-def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, groups: np.ndarray, comm: _Comm, flight: int) -> tuple[StagePlan, float]:
-    """A stage's plan and its optimizer step seconds. Replicas split each micro-batch evenly, so the
+def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, groups: np.ndarray, comm: _Comm, flight: int) -> StagePlan:
+    """A stage's plan. Replicas split each micro-batch evenly, so the
     slowest replica sets the pace."""
     r = len(groups)
     forward = float(max(problem.forward[g, mask].sum() for g in groups)) / r
@@ -175,7 +171,7 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
         activations=stashed,
         capacity=float(min(problem.capacity[g] for g in groups)),
     )
-    plan = StagePlan(
+    return StagePlan(
         index=s,
         devices=tuple(devices),
         nodes=tuple(problem.nodes[i] for i in np.flatnonzero(mask)),
@@ -190,5 +186,3 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
         memory=memory,
         stash_bytes=float(comm.stash_bytes[s]) / r if recompute else activations,
     )
-    step = optimizer_seconds(params, problem.optimizer_states, float(min(problem.memory_bandwidth[g] for g in groups)))
-    return plan, step
