@@ -6,6 +6,7 @@ Reading order: `chain` -> `check_feeds` -> `run_pipeline` -> `_StageWorker`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import zipfile
@@ -149,5 +150,6 @@ def write_npz(arrays: Mapping[str, np.ndarray], path: str | os.PathLike) -> None
         np.savez(tmp, **arrays)
         os.replace(tmp, target)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise OnnxpipeError(f"{target}: cannot write ({exc.strerror}); choose another -o") from exc

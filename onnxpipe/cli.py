@@ -26,22 +26,36 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn OnnxpipeError (and Ctrl-C) into one line on stderr and exit code 2."""
+    """Turn OnnxpipeError and OSError (a path that cannot be read or written) into one line on stderr and
+    exit code 2, Ctrl-C into exit code 130, and any other failure into a one-line internal error with
+    exit code 1; `--debug` re-raises them all with their tracebacks."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.exceptions.TyperException):
+            raise
         except OnnxpipeError as exc:
-            if _state["debug"]:
-                raise
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            sys.exit(2)
+            _fail(exc, str(exc), 2)
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(exc, f"{where}{exc.strerror or exc}; check the path exists and is writable, or choose another", 2)
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
             sys.exit(130)
+        except Exception as exc:  # a bug: still one line, the traceback behind --debug
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            _fail(exc, f"internal error ({type(exc).__name__}: {first}); rerun with --debug for the traceback and report it", 1)
 
     return wrapper
+
+
+def _fail(exc: BaseException, message: str, code: int) -> None:
+    if _state["debug"]:
+        raise exc
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(code)
 
 
 def parse_dims(values: list[str] | None) -> dict[str, int]:

@@ -421,8 +421,11 @@ def read_annotated(graph: Graph) -> Costs | None:
 
 def _save_model_atomically(model: onnx.ModelProto, path: Path) -> None:
     """Write into a temp dir beside `path`, then move the weights file (if any) and the model into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    except OSError as exc:
+        raise OnnxpipeError(f"{path}: cannot write the annotated model ({exc.strerror}); choose a writable -o path") from exc
     try:
         data_name = path.name + ".data"
         if model.ByteSize() >= _EXTERNAL_DATA_BYTES:

@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 
-__all__ = ["profile_times"]
+__all__ = ["profile_times", "quiet_stderr"]
 
 _RESOLUTION_FLOOR = 0.5e-6
 _GRAD_MARK = "_Grad/"
@@ -134,7 +134,7 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     else:
         loss = _append_sum_loss(lossy.graph, floats)
     try:
-        with _quiet_stderr():
+        with quiet_stderr():
             builder = GradientGraphBuilder(lossy.SerializeToString(), {loss}, wanted, loss)
             builder.build()
         return onnx.load_from_string(builder.get_model())
@@ -143,7 +143,7 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Silence native stderr: the gradient builder logs every pass at info level whatever the logger settings."""
     sys.stderr.flush()
     saved = os.dup(2)

@@ -163,6 +163,7 @@ def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | 
     _bind_dims(model, dims, origin)
     model = _infer_shapes(model, origin)
     tensors = _tensor_infos(model, origin)
+    _ensure_valid(model, tensors, origin)
     return _build(model, tensors, dims, origin)
 
 
@@ -266,6 +267,28 @@ def _infer_shapes(model: onnx.ModelProto, origin: str) -> onnx.ModelProto:
     for mine, theirs in zip(model.graph.output, inferred.graph.output):
         mine.CopyFrom(theirs)
     return model
+
+
+def _ensure_valid(model: onnx.ModelProto, tensors: Mapping[str, TensorInfo], origin: str) -> None:
+    """onnx.checker on the model's structure (nodes, attributes, opsets, order) without its weights:
+    initializers become typed graph inputs, so the check costs the same for 10 KB and 10 GB models.
+    Types the file leaves out but shape inference found are filled in; the checker would reject
+    them, and loading does not need them."""
+    probe = skeleton(model, "graph")
+    probe.graph.CopyFrom(skeleton(model.graph, "initializer"))
+    del probe.graph.value_info[:]
+    for t in model.graph.initializer:
+        probe.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    for vi in [*probe.graph.input, *probe.graph.output]:
+        info = tensors.get(vi.name)
+        if info is not None and (not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape")
+                                 or not vi.type.tensor_type.elem_type):
+            vi.CopyFrom(helper.make_tensor_value_info(vi.name, helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)), list(info.shape)))
+    try:
+        onnx.checker.check_model(probe)
+    except onnx.checker.ValidationError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise OnnxpipeError(f"{origin}: fails onnx.checker ({first}); fix the reported node or attribute in the exporter and re-export") from exc
 
 
 def _value_infos(model: onnx.ModelProto) -> Iterable[onnx.ValueInfoProto]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -133,8 +133,77 @@ class Manifest:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise OnnxpipeError(f"{path}: not valid JSON ({exc}); rewrite the directory with `onnxpipe split`") from exc
-        return cls.from_json(data, str(path))
+        manifest = cls.from_json(data, str(path))
+        _ensure_consistent(manifest, Path(directory))
+        return manifest
 
     def write(self, directory: str | os.PathLike) -> None:
         path = Path(directory) / "manifest.json"
         path.write_text(json.dumps(self.to_json(), indent=2))
+
+
+def _ensure_consistent(manifest: Manifest, directory: Path) -> None:
+    """The manifest agrees with itself (stages in order, every input made by an earlier stage that
+    says it sends it) and with its stage files' graph inputs and outputs (names, dtypes, shapes),
+    read from the files' headers without their weights."""
+    where = directory / "manifest.json"
+
+    def fail(problem: str) -> None:
+        raise OnnxpipeError(f"{where}: {problem}; the directory was edited or is incomplete, rewrite it with `onnxpipe split`")
+
+    if not manifest.stages:
+        fail("no stages")
+    model_inputs = {i.name for i in manifest.inputs}
+    sent = {(s.index, o.name): o.consumers for s in manifest.stages for o in s.outputs}
+    for position, stage in enumerate(manifest.stages):
+        if stage.index != position:
+            fail(f"stage {position} is listed with index {stage.index}; stages must be numbered 0..{len(manifest.stages) - 1} in order")
+        for i in stage.inputs:
+            if i.source == "model":
+                if i.name not in model_inputs:
+                    fail(f"stage {stage.index} input '{i.name}' comes from the model, which has no such input")
+            elif not isinstance(i.source, int) or not 0 <= i.source < stage.index:
+                fail(f"stage {stage.index} input '{i.name}' comes from stage {i.source!r}, not an earlier stage")
+            elif stage.index not in sent.get((i.source, i.name), ()):
+                fail(f"stage {stage.index} input '{i.name}' is not sent to it by stage {i.source}")
+        _ensure_stage_file(stage, directory, fail)
+    made = {name for _, name in sent} | model_inputs
+    for out in manifest.outputs:
+        if out.name not in made:
+            fail(f"model output '{out.name}' is made by no stage")
+    for shared in manifest.shared:
+        if any(not 0 <= s < len(manifest.stages) for s in shared.stages):
+            fail(f"shared initializer '{shared.name}' names a stage out of range {tuple(shared.stages)}")
+
+
+def _ensure_stage_file(stage: Stage, directory: Path, fail: Callable[[str], None]) -> None:
+    import onnx
+    from onnx import helper
+
+    from onnxpipe.protostream import read_header
+
+    path = directory / stage.file
+    if not path.is_file():
+        fail(f"stage {stage.index} file {stage.file} is missing")
+    if stage.data_file and not (directory / stage.data_file).is_file():
+        fail(f"stage {stage.index} weights file {stage.data_file} is missing")
+    try:
+        graph = read_header(path).graph
+    except Exception as exc:  # protobuf raises several unrelated types on garbage
+        fail(f"stage {stage.index} file {stage.file} is not a readable ONNX model ({type(exc).__name__})")
+    declared = {vi.name: vi for vi in [*graph.input, *graph.output]}
+    initializers = {t.name for t in graph.initializer}
+    for kind, specs, names in (("input", stage.inputs, [vi.name for vi in graph.input if vi.name not in initializers]),
+                               ("output", stage.outputs, [vi.name for vi in graph.output])):
+        if sorted(s.name for s in specs) != sorted(names):
+            fail(f"stage {stage.index} {kind}s {sorted(s.name for s in specs)} differ from {stage.file}'s {sorted(names)}")
+        for spec in specs:
+            tensor = declared[spec.name].type.tensor_type
+            if not declared[spec.name].type.HasField("tensor_type") or spec.dtype == "unknown":
+                continue
+            dtype = helper.tensor_dtype_to_np_dtype(tensor.elem_type).name if tensor.elem_type != onnx.TensorProto.UNDEFINED else spec.dtype
+            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+            fixed = tensor.HasField("shape") and None not in dims
+            if dtype != spec.dtype or (fixed and dims != tuple(spec.shape)):
+                fail(f"stage {stage.index} {kind} '{spec.name}' is {spec.dtype} {tuple(spec.shape)} in the manifest but "
+                     f"{dtype} {dims if fixed else '(dynamic)'} in {stage.file}")

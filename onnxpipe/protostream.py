@@ -6,7 +6,7 @@ builds a second full copy; `write_model` serializes a small skeleton once and st
 initializers' raw bytes straight to the file (inline, or to an external-data file).
 `skeleton` copies a message without one repeated field, so weights can be left out of a copy.
 
-Reading order: `read_model` -> `_read_record`; `write_model` -> `_tensor_record`; `skeleton`.
+Reading order: `read_model` -> `_read_record`; `read_header`; `write_model` -> `_tensor_record`; `skeleton`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import onnx
 from google.protobuf.message import Message
 from onnx import helper
 
-__all__ = ["read_model", "write_model", "inline_external_data", "skeleton", "is_streamable", "raw_nbytes"]
+__all__ = ["read_model", "read_header", "write_model", "inline_external_data", "skeleton", "is_streamable", "raw_nbytes"]
 
 _GRAPH_FIELD = 7  # ModelProto.graph
 _INITIALIZER_FIELD = 5  # GraphProto.initializer
@@ -95,6 +95,31 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
                 model.MergeFromString(_read_record(f, key, key_bytes))
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
+    return model
+
+
+def read_header(path: str | os.PathLike) -> onnx.ModelProto:
+    """A model file without its initializers (their records are skipped, never read): the graph's
+    nodes, inputs and outputs of a model of any size at the cost of its small parts."""
+    model = onnx.ModelProto()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while f.tell() < size:
+            key, key_bytes = _read_varint(f)
+            if key >> 3 == _GRAPH_FIELD and key & 7 == _LENGTH_DELIMITED:
+                length, _ = _read_varint(f)
+                end = f.tell() + length
+                while f.tell() < end:
+                    inner, inner_bytes = _read_varint(f)
+                    if inner >> 3 == _INITIALIZER_FIELD and inner & 7 == _LENGTH_DELIMITED:
+                        skip, _ = _read_varint(f)
+                        f.seek(skip, os.SEEK_CUR)
+                    else:
+                        model.graph.MergeFromString(_read_record(f, inner, inner_bytes))
+                if f.tell() != end:
+                    raise EOFError("truncated protobuf graph")
+            else:
+                model.MergeFromString(_read_record(f, key, key_bytes))
     return model
 
 

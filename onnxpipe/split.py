@@ -12,6 +12,7 @@ fresh ModelProto, its large initializers' bytes are streamed from the source mod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -80,12 +81,12 @@ def split(graph: Graph, plan: Plan, out_dir: str | os.PathLike, *, force: bool =
         manifest = _manifest(graph, plan, stages, layouts)
         manifest.write(tmp)
         plan.save(tmp / "plan.json")
+        if annotated_path is not None:  # before publishing: a failure here leaves no stage directory behind
+            annotate_stages(graph, plan, annotated_path)
         _publish(tmp, target, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if annotated_path is not None:
-        annotate_stages(graph, plan, annotated_path)
     return manifest
 
 
@@ -452,5 +453,6 @@ def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
         write_model(model, tmp, large, external_data=f"{target.name}.data" if external else None)
         os.replace(tmp, target)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise OnnxpipeError(f"{target}: cannot write the annotated model ({exc.strerror}); choose another --annotated path") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -159,8 +160,13 @@ class Plan:
         """Write atomically: a reader never sees half a plan."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(self.to_json(), indent=2))
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise OnnxpipeError(f"{path}: cannot write the plan ({exc.strerror}); choose a writable -o path") from exc
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> Plan:

@@ -1,5 +1,6 @@
 """Checkpoints: per stage an .npz (weights, optimizer state) with its sha256 in a small JSON, plus
-`checkpoint.json` (step, data cursor, settings) written last. Every file goes temp + os.replace.
+`checkpoint.json` (step, data cursor, settings) written last, all in a temp directory that then
+replaces the previous checkpoint directory.
 """
 
 from __future__ import annotations
@@ -7,6 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,19 +46,53 @@ def _write_atomic(path: Path, write: Any) -> None:
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[StageState], meta: Mapping[str, Any]) -> None:
-    """Write a checkpoint after `step` completed steps (the next step trains on batch `step`)."""
+    """Write a checkpoint after `step` completed steps (the next step trains on batch `step`).
+
+    All or nothing: the files go to a fresh directory beside `directory`, which then takes its place;
+    an interrupted or failed write leaves the previous checkpoint as it was."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for i, (params, opt) in enumerate(states):
-        npz = root / f"stage_{i}.npz"
-        arrays = {f"param:{k}": v for k, v in params.items()} | {f"opt:{k}": v for k, v in opt.items()}
-        _write_atomic(npz, lambda f, a=arrays: np.savez(f, **a))
-        info = {"file": npz.name, "sha256": _sha256(npz), "step": step}
-        _write_atomic(root / f"stage_{i}.json", lambda f, d=info: f.write(json.dumps(d, indent=2).encode()))
-        entries.append(info)
-    top = {"format": "onnxpipe.checkpoint/1", "step": step, "stages": entries, "meta": dict(meta)}
-    _write_atomic(root / "checkpoint.json", lambda f: f.write(json.dumps(top, indent=2).encode()))
+    if root.exists() and (not root.is_dir() or any(not _CHECKPOINT_FILE.match(p.name) for p in root.iterdir())):
+        raise OnnxpipeError(f"{root}: holds files other than a checkpoint; give --checkpoint-dir a directory of its own")
+    try:
+        root.absolute().parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.absolute().parent))
+    except OSError as exc:
+        raise OnnxpipeError(f"{root}: cannot write a checkpoint there ({exc.strerror}); choose a writable --checkpoint-dir") from exc
+    try:
+        entries = []
+        for i, (params, opt) in enumerate(states):
+            npz = tmp / f"stage_{i}.npz"
+            arrays = {f"param:{k}": v for k, v in params.items()} | {f"opt:{k}": v for k, v in opt.items()}
+            _write_atomic(npz, lambda f, a=arrays: np.savez(f, **a))
+            info = {"file": npz.name, "sha256": _sha256(npz), "step": step}
+            _write_atomic(tmp / f"stage_{i}.json", lambda f, d=info: f.write(json.dumps(d, indent=2).encode()))
+            entries.append(info)
+        top = {"format": "onnxpipe.checkpoint/1", "step": step, "stages": entries, "meta": dict(meta)}
+        _write_atomic(tmp / "checkpoint.json", lambda f: f.write(json.dumps(top, indent=2).encode()))
+        _swap_in(tmp, root)
+    except OSError as exc:
+        raise OnnxpipeError(f"{root}: cannot write the checkpoint ({exc.strerror or exc}); free space or choose another --checkpoint-dir") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: Names a checkpoint directory holds (temp files of an interrupted write included).
+_CHECKPOINT_FILE = re.compile(r"^(checkpoint\.json|stage_\d+\.(npz|json))$|^\..*\.tmp\d+$")
+
+
+def _swap_in(tmp: Path, root: Path) -> None:
+    """Put the finished directory in place of the old one; the old one is deleted only once the new one is in."""
+    if not root.exists():
+        os.replace(tmp, root)
+        return
+    old = root.with_name(f".{root.name}.old{os.getpid()}")
+    os.replace(root, old)
+    try:
+        os.replace(tmp, root)
+    except OSError:
+        os.replace(old, root)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(directory: str | os.PathLike) -> tuple[int, list[StageState], dict[str, Any]]:

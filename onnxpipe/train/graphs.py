@@ -237,10 +237,13 @@ def _gradient_model(model: onnx.ModelProto, trained: set[str], origin: str) -> o
     import onnxruntime
     from onnxruntime.capi._pybind_state import GradientGraphBuilder
 
+    from onnxpipe.cost_profile import quiet_stderr
+
     onnxruntime.set_default_logger_severity(3)
     try:
-        builder = GradientGraphBuilder(model.SerializeToString(), {TOTAL_LOSS}, trained, TOTAL_LOSS)
-        builder.build()
+        with quiet_stderr():  # the builder logs every pass at info level whatever the severity
+            builder = GradientGraphBuilder(model.SerializeToString(), {TOTAL_LOSS}, trained, TOTAL_LOSS)
+            builder.build()
         return onnx.load_from_string(builder.get_model())
     except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__

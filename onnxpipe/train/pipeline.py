@@ -8,6 +8,7 @@ Reading order: `Pipeline.__init__` -> `_stage_directory` -> train_step / evaluat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -100,6 +101,8 @@ class Pipeline:
                     raise OnnxpipeError(f"input {vi.name!r} has a symbolic batch dim {shape[0].dim_param!r}; pass --batch B (or --dim {shape[0].dim_param}=V)")
                 dims[shape[0].dim_param] = batch // m
         graph = load(model, dims)
+        if not isinstance(source, onnx.ModelProto):  # errors and the manifest name the file, not "<memory>"
+            graph = dataclasses.replace(graph, source=str(source))
         if batch is not None and batch != graph.batch * m:
             raise OnnxpipeError(f"--batch {batch} must be {m} micro-batches of the model's batch {graph.batch}: pass --batch {graph.batch * m} or change --microbatches")
         tgt = load_target(target)
