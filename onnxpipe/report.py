@@ -8,6 +8,7 @@ functions only, so importing onnxpipe never pulls it in.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import os
@@ -58,11 +59,17 @@ def write(
     if graph is not None and costs is not None:
         figures["model"] = model_figure(graph, costs, plan)
     pngs = {name: _png(fig) for name, fig in figures.items()}
-    written = []
-    for name, data in pngs.items():
-        written.append(_atomic_write(path.with_name(f"report_{name}.png"), data))
     page = _html(plan, simulation, pngs, measured)
-    written.append(_atomic_write(path, page.encode("utf-8")))
+    written: list[Path] = []
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for name, data in pngs.items():
+            written.append(_atomic_write(path.with_name(f"report_{name}.png"), data))
+        written.append(_atomic_write(path, page.encode("utf-8")))
+    except OSError as exc:  # all or nothing: drop the figures already written
+        for done in written:
+            done.unlink(missing_ok=True)
+        raise OnnxpipeError(f"{path}: cannot write the report ({exc.strerror or exc}); choose a writable -o") from exc
     return tuple(written)
 
 
@@ -254,8 +261,13 @@ def _png(fig: Any) -> bytes:
 
 def _atomic_write(path: Path, data: bytes) -> Path:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
