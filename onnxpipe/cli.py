@@ -350,9 +350,10 @@ def run(
 def plan_command(
     model: str = typer.Argument(..., help="The .onnx model (an annotated one keeps its stored costs)."),
     target: str = typer.Option(..., "--target", "-t", help="A bundled target name or a .toml target file."),
-    stages: int = typer.Option(None, "--stages", help="Number of stages (default: one per device)."),
+    stages: int = typer.Option(None, "--stages", help="Number of stages (default: the fastest count, at most one per device)."),
     batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
-    microbatches: str = typer.Option(None, "--microbatches", help="Micro-batches per iteration, or 'auto' to explore (default: 2 x stages)."),
+    microbatches: str = typer.Option(None, "--microbatches",
+                                     help="Micro-batches per iteration, or 'auto' to explore (default: 2 x stages, or 2 x devices without --stages)."),
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, or auto to explore both."),
     optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
@@ -366,7 +367,7 @@ def plan_command(
     from rich.table import Table
 
     from onnxpipe.plan import compare as compare_baselines
-    from onnxpipe.plan import fits, plan_model
+    from onnxpipe.plan import faster_stage_count, fits, plan_model
     from onnxpipe.units import format_bytes
 
     if microbatches is None or microbatches == "auto":
@@ -412,6 +413,11 @@ def plan_command(
             side.add_row(name, str(len(p.stages)), f"{p.iteration_seconds * ms:.3f}", f"{p.bottleneck_seconds * ms:.3f}", format_bytes(peak),
                          "yes" if fits(p) else "[red]no[/]", f"{p.iteration_seconds / plan.iteration_seconds:.2f}x")
         console.print(side)
+        faster = faster_stage_count(graph, costs, tgt, plan, recompute) if stages is not None else None
+        if faster is not None:
+            count = f"{len(faster.stages)} stage{'s' if len(faster.stages) > 1 else ''}"
+            console.print(f"note: {count} would be faster (iteration {faster.iteration_seconds * ms:.3f} ms vs {plan.iteration_seconds * ms:.3f} ms); "
+                          "drop --stages to let the planner choose", highlight=False)
     if output:
         plan.save(output)
         console.print(f"wrote {escape(output)}", highlight=False)

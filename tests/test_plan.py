@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 from onnxpipe.cost import Costs, NodeCost
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
-from onnxpipe.plan import Assignment, Plan, baselines, build_problem, evaluate, fits, lower_bound, plan
+from onnxpipe.plan import Assignment, Plan, baselines, build_problem, compare, evaluate, fits, lower_bound, plan
 from onnxpipe.target import Device, Link, Target
 
 GIB = 2.0**30
@@ -137,6 +137,50 @@ def test_random_dags_match_brute_force_and_beat_baselines(n: int, data: st.DataO
     assert p.solver.bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
 
 
+def _assert_no_baseline_faster(graph, costs, target, p: Plan) -> None:  # type: ignore[no-untyped-def]
+    others = compare(graph, costs, target, p)
+    assert "data-parallel" in others
+    for name, other in others.items():
+        if fits(other):
+            assert p.iteration_seconds <= other.iteration_seconds * (1 + 1e-9), name
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(3, 7), data=st.data())
+def test_default_plan_chooses_a_stage_count_no_baseline_beats(n: int, data: st.DataObject) -> None:
+    skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
+    flops = data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=n, max_size=n))
+    groups = data.draw(st.sampled_from([[("a", 3, 1e12, 1e9)], [("a", 2, 1e12, 1e9), ("b", 2, 3e12, 1e9)]]))
+    graph = load(chain_model(n, skips))
+    costs = hand_costs(graph, flops, params)
+    target = make_target(groups, bandwidth=data.draw(st.sampled_from([1e7, 1e9, 1e11])))
+    p = plan(graph, costs, target, time_limit=5)
+    devices = len(target.devices)
+    assert p.microbatches == 2 * devices and p.batch == graph.batch * 2 * devices  # the batch stays fixed across stage counts
+    assert 1 <= len(p.stages) <= devices and {c.stages for c in p.explored} <= set(range(1, devices + 1))
+    _assert_no_baseline_faster(graph, costs, target, p)
+
+
+@pytest.mark.parametrize("target_name", ["fpga4", "gpu4", "hetero"])
+def test_default_plan_of_gpt2_tiny_beats_every_baseline(target_name: str) -> None:
+    from onnxpipe.cost import annotate
+    from onnxpipe.models import build
+    from onnxpipe.plan import faster_stage_count
+    from onnxpipe.target import load_target
+
+    graph = load(build("gpt2-tiny"))
+    costs, target = annotate(graph), load_target(target_name)
+    p = plan(graph, costs, target, time_limit=10)
+    _assert_no_baseline_faster(graph, costs, target, p)
+    assert faster_stage_count(graph, costs, target, p) is None
+    # Forced to one stage per device (same 8 micro-batches), a smaller stage count is faster on all three targets.
+    forced = plan(graph, costs, target, stages=4, microbatches=p.microbatches, time_limit=10)
+    faster = faster_stage_count(graph, costs, target, forced)
+    assert faster is not None and faster.iteration_seconds <= p.iteration_seconds * (1 + 1e-9)
+    assert len(faster.stages) != 4 and faster.iteration_seconds < forced.iteration_seconds
+
+
 def test_heterogeneous_placement_matches_brute_force_and_puts_heavy_stage_on_fast_device() -> None:
     graph = load(chain_model(5, {}))
     costs = hand_costs(graph, [1e9, 1e9, 1e9, 4e9, 4e9])
@@ -238,7 +282,8 @@ def test_cli_plan_prints_stages_bound_and_baselines(tmp_path) -> None:  # type: 
         capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""},
     )
     assert result.returncode == 0, result.stderr
-    for line in ("bottleneck: stage", "lower bound:", "solver: OPTIMAL", "uniform-nodes", "pipedream", "data-parallel"):
+    for line in ("bottleneck: stage", "lower bound:", "solver: OPTIMAL", "uniform-nodes", "pipedream", "data-parallel",
+                 "note: 1 stage would be faster"):
         assert line in result.stdout
     saved = Plan.read(out)
     assert len(saved.stages) == 2 and saved.bottleneck_seconds >= saved.lower_bound_seconds

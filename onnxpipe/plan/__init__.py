@@ -7,7 +7,7 @@ baselines); `lower_bound` says what no plan can beat; `baselines` shows what oth
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import LowerBound, lower_bound
 from onnxpipe.plan.evaluate import Assignment, evaluate, fits
-from onnxpipe.plan.planner import compare, plan, plan_model
+from onnxpipe.plan.planner import compare, faster_stage_count, plan, plan_model
 from onnxpipe.plan.problem import Problem, build_problem
 from onnxpipe.plan.result import Candidate, Memory, Plan, SolveInfo, StagePlan
 
@@ -15,6 +15,7 @@ __all__ = [
     "plan",
     "plan_model",
     "compare",
+    "faster_stage_count",
     "evaluate",
     "fits",
     "Assignment",

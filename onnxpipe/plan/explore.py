@@ -1,11 +1,13 @@
 """BaPipe-style exploration: schedules x micro-batch counts x stage counts (replication inside each),
-each priced by the DP + `evaluate` and ranked by predicted iteration time for the global batch."""
+each priced by the DP + `evaluate` and ranked by predicted iteration time for the global batch;
+`by_stage_count` prices every stage count at one schedule and micro-batch count, baselines included,
+so the planner can pick the stage count no baseline beats."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from onnxpipe.plan.baselines import with_recompute
+from onnxpipe.plan.baselines import baselines, with_recompute
 from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, overflow
@@ -13,7 +15,7 @@ from onnxpipe.plan.layout import to_assignment
 from onnxpipe.plan.problem import Problem
 from onnxpipe.plan.result import Candidate, Plan
 
-__all__ = ["explore", "microbatch_choices"]
+__all__ = ["explore", "microbatch_choices", "by_stage_count", "candidate"]
 
 
 def microbatch_choices(batch: int, limit: int = 64) -> tuple[int, ...]:
@@ -43,15 +45,29 @@ def explore(
                 if plan is None:
                     tried.append((Candidate(schedule, m, k, 1, float("inf"), 0.0, False, "infeasible: too few blocks for the stages"), variant, k))
                     continue
-                ok = fits(plan)
-                peak = max(s.memory.total for s in plan.stages)
-                note = "" if ok else f"infeasible: {overflow(plan)}"
-                tried.append(
-                    (Candidate(schedule, m, k, max(len(s.devices) for s in plan.stages), plan.iteration_seconds, peak, ok, note), variant, k)
-                )
+                tried.append((candidate(plan), variant, k))
     tried.sort(key=lambda item: (not item[0].feasible, item[0].iteration_seconds))
     winner = tried[0] if tried and tried[0][0].feasible else None
     return tuple(c for c, _, _ in tried), (winner[1] if winner else None), (winner[2] if winner else None)
+
+
+def by_stage_count(problem: Problem, stage_counts: Sequence[int], recompute: str = "auto", replicas: bool = True) -> dict[int, list[Plan]]:
+    """Fitting plans per stage count: the DP's and every baseline's (data parallelism counts as one stage)."""
+    found: dict[int, list[Plan]] = {}
+    for k in stage_counts:
+        quick = _quick_plan(problem, k, recompute, replicas)
+        others = baselines(problem, k, recompute, replicas)
+        found[k] = [p for p in ([quick] if quick else []) + list(others.values()) if fits(p) and len(p.stages) == k]
+    return found
+
+
+def candidate(plan: Plan) -> Candidate:
+    """How a priced plan shows among the configurations tried."""
+    ok = fits(plan)
+    return Candidate(
+        plan.schedule, plan.microbatches, len(plan.stages), max(len(s.devices) for s in plan.stages), plan.iteration_seconds,
+        max(s.memory.total for s in plan.stages), ok, "" if ok else f"infeasible: {overflow(plan)}",
+    )
 
 
 def _quick_plan(problem: Problem, stages: int, recompute: str, replicas: bool) -> Plan | None:

@@ -11,14 +11,14 @@ from onnxpipe.cost import Costs, annotate, read_annotated
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.plan.baselines import baselines
-from onnxpipe.plan.explore import explore, microbatch_choices
-from onnxpipe.plan.problem import build_problem
+from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices
+from onnxpipe.plan.problem import Problem, build_problem
 from onnxpipe.plan.result import Plan
 from onnxpipe.plan.solve import solve
 from onnxpipe.schedule import SCHEDULES
 from onnxpipe.target import Target, load_target
 
-__all__ = ["plan", "plan_model", "compare"]
+__all__ = ["plan", "plan_model", "compare", "faster_stage_count"]
 
 _RECOMPUTE = ("auto", "always", "never")
 
@@ -40,9 +40,11 @@ def plan(
 ) -> Plan:
     """Partition and place the graph on the target, minimising the bottleneck stage time per micro-batch.
 
-    Defaults: one stage per device, 2 x stages micro-batches, a global batch of that many copies of the
-    batch the graph was loaded with. `schedule="auto"` / `microbatches="auto"` explore (also stage counts
-    when `stages` is None) and keep the configuration of least predicted iteration time."""
+    Defaults: the stage count (at most one per device) of least predicted iteration time, so no baseline
+    beats the plan; 2 x stages micro-batches (2 x devices when the stage count is chosen), a global batch
+    of that many copies of the batch the graph was loaded with. `schedule="auto"` / `microbatches="auto"`
+    explore (also stage counts when `stages` is None) and keep the configuration of least predicted
+    iteration time."""
     devices = len(target.devices)
     _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
     exploring = schedule == "auto" or microbatches == "auto"
@@ -53,6 +55,8 @@ def plan(
     if not exploring:
         if batch % m:
             raise OnnxpipeError(f"batch {batch} does not split into {m} micro-batches; pick a divisor of the batch for --microbatches")
+        if stages is None:
+            return _fastest_stage_count(base, devices, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
         return solve(base, k, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
     candidates, winner, winner_stages = explore(
         base,
@@ -89,8 +93,39 @@ def plan_model(
 
 def compare(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True) -> dict[str, Plan]:
     """The baselines under the plan's batch, micro-batches, schedule and optimizer, by name."""
-    problem = build_problem(graph, costs, target, batch=plan.batch, microbatches=plan.microbatches, schedule=plan.schedule, optimizer=plan.optimizer)
-    return baselines(problem, len(plan.stages), recompute, replicas)
+    return baselines(_problem_of(graph, costs, target, plan), len(plan.stages), recompute, replicas)
+
+
+def faster_stage_count(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True) -> Plan | None:
+    """The fastest plan at another stage count (the DP's or a baseline's, under the plan's batch,
+    micro-batches and schedule) when it beats the plan's predicted iteration time; None otherwise."""
+    problem = _problem_of(graph, costs, target, plan)
+    counts = [k for k in range(1, min(len(target.devices), problem.n) + 1) if k != len(plan.stages)]
+    found = [p for plans in by_stage_count(problem, counts, recompute, replicas).values() for p in plans]
+    best = min(found, key=lambda p: p.iteration_seconds, default=None)
+    return best if best is not None and best.iteration_seconds < plan.iteration_seconds * (1 - 1e-9) else None
+
+
+def _problem_of(graph: Graph, costs: Costs, target: Target, plan: Plan) -> Problem:
+    return build_problem(graph, costs, target, batch=plan.batch, microbatches=plan.microbatches, schedule=plan.schedule, optimizer=plan.optimizer)
+
+
+def _fastest_stage_count(
+    problem: Problem, devices: int, *, recompute: str, replicas: bool, time_limit: float, progress: Callable[[str], None] | None
+) -> Plan:
+    """Price every stage count with the DP and the baselines, solve the fastest count with CP-SAT and keep
+    the plan of least iteration time at that count: no baseline, at any stage count, is predicted faster."""
+    if progress:
+        progress("pricing every stage count")
+    options = dict(recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
+    found = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas)
+    priced = [p for plans in found.values() for p in plans]
+    if not priced:  # nothing fits as an interval: CP-SAT may still find a plan, else it names the fix
+        return solve(problem, min(devices, problem.n), **options)  # type: ignore[arg-type]
+    k = len(min(priced, key=lambda p: p.iteration_seconds).stages)
+    best = solve(problem, k, also=found[k], by_iteration=True, **options)  # type: ignore[arg-type]
+    tried = sorted((candidate(min(plans, key=lambda p: p.iteration_seconds)) for plans in found.values() if plans), key=lambda c: c.iteration_seconds)
+    return dataclasses.replace(best, explored=tuple(tried))
 
 
 def _ensure_options(stages: int | None, devices: int, microbatches: int | str | None, schedule: str, recompute: str, time_limit: float) -> None:

@@ -1,5 +1,6 @@
 """One configuration (stages, micro-batches, schedule fixed): coarsen, solve the interval DP, hand its
-answer to CP-SAT as a hint, keep the best plan under `evaluate`, never worse than a baseline.
+answer to CP-SAT as a hint, keep the best plan under `evaluate` (least bottleneck, or least iteration
+time when the caller ranks by it), never worse than a baseline.
 
 Reading order: `solve` -> `_choose` -> `_ensure_some_fit`.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.baselines import baselines
@@ -41,8 +42,13 @@ def solve(
     time_limit: float = 30.0,
     max_blocks: int | None = None,
     progress: Callable[[str], None] | None = None,
+    also: Sequence[Plan] = (),
+    by_iteration: bool = False,
 ) -> Plan:
-    """The best plan found for this configuration, with its proven bound and gap."""
+    """The best plan found for this configuration, with its proven bound and gap on the bottleneck.
+
+    `also`: more plans of `stages` stages to choose from; `by_iteration` ranks by predicted iteration
+    time first (the plan may then have more than the least bottleneck, and says so in its gap)."""
     report = progress or (lambda _: None)
     started = time.perf_counter()
     bound = lower_bound(problem, stages, replicas)
@@ -76,7 +82,8 @@ def solve(
     report("comparing against baselines")
     # The baselines exactly as `compare` reports them, so the plan is never worse than any of them.
     found.extend(p for name, p in baselines(problem, stages, recompute, replicas).items() if name != "data-parallel")
-    best = _choose(found)
+    found.extend(also)
+    best = _choose(found, by_iteration)
     if best is None:
         raise OnnxpipeError(infeasible_message(problem, bound, stages))
     objective = best.bottleneck_seconds
@@ -93,12 +100,17 @@ def solve(
     return dataclasses.replace(best, solver=info)
 
 
-def _choose(found: list[Plan]) -> Plan | None:
-    """The fitting plan with the least bottleneck, then the least communication."""
+def _choose(found: list[Plan], by_iteration: bool = False) -> Plan | None:
+    """The fitting plan with the least bottleneck (or iteration time, then bottleneck), then the least communication."""
     fitting = [p for p in found if fits(p)]
     if not fitting:
         return None
-    return min(fitting, key=lambda p: (round(p.bottleneck_seconds, 12), sum(s.comm_in_seconds + s.comm_out_seconds for s in p.stages)))
+
+    def key(p: Plan) -> tuple[float, ...]:
+        rest = (round(p.bottleneck_seconds, 12), sum(s.comm_in_seconds + s.comm_out_seconds for s in p.stages))
+        return (round(p.iteration_seconds, 12), *rest) if by_iteration else rest
+
+    return min(fitting, key=key)
 
 
 def infeasible_message(problem: Problem, bound: LowerBound, stages: int) -> str:
