@@ -193,6 +193,38 @@ def test_heterogeneous_placement_matches_brute_force_and_puts_heavy_stage_on_fas
     assert sum(costs.nodes[n].flops for n in p.stages[1].nodes) > sum(costs.nodes[n].flops for n in p.stages[0].nodes)
 
 
+def test_skip_across_device_groups_is_priced_as_evaluate_does_and_proven_optimal() -> None:
+    from onnxpipe.plan.coarsen import coarsen
+    from onnxpipe.plan.cpsat import solve_cpsat
+    from onnxpipe.plan.layout import to_assignment
+
+    # n0 feeds n2 and n3 (skips); the fast group b takes the tail, so the skips leave stage 0 (group a) over
+    # stage 1 (group a) into stage 2 (group b): the send is on the slow a-b link, not the a-a one.
+    graph = load(chain_model(7, {2: 0, 3: 0, 4: 2, 5: 2}, width=65536))
+    costs = hand_costs(graph, [1.5e9, 1.5e9, 1.5e9, 1.5e9, 1e8, 1.5e9, 5e8])
+    devices = tuple(
+        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e9, memory_bandwidth=1e12,
+               efficiency={"default": 1.0}, op_overhead=0.0)
+        for g, count, peak in (("a", 2, 1e12), ("b", 1, 8e12)) for i in range(count)
+    )
+    links = tuple(Link(between=pair, bandwidth=bw, latency=lat, topology="switch")
+                  for pair, bw, lat in ((("a", "a"), 1e11, 1e-6), (("b", "b"), 1e11, 1e-6), (("a", "b"), 1e8, 1e-5)))
+    target = Target(name="skip", description="", devices=devices, links=links, profile=False, source="<test>")
+    p = plan(graph, costs, target, stages=3, recompute="never", time_limit=5)
+    problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches)
+    assert p.solver.status == "OPTIMAL" and p.solver.bound_seconds == pytest.approx(p.bottleneck_seconds, rel=1e-6)
+    assert p.bottleneck_seconds == pytest.approx(brute_force(problem, 3, "never"), rel=1e-9)
+    group = {s.index: problem.group_of(s.devices[0]) for s in p.stages}
+    stage_of = {n: s.index for s in p.stages for n in s.nodes}
+    jumps = [(stage_of[a], stage_of[b]) for a, b in graph.dag.edges() if stage_of[b] - stage_of[a] > 1]
+    assert any(group[a] != group[b] for a, b in jumps)
+    blocks = coarsen(problem, problem.n)
+    result = solve_cpsat(problem, blocks, 3, recompute="never", time_limit=5)
+    priced = evaluate(problem, to_assignment(problem, blocks, result.layout))
+    assert result.status == "OPTIMAL"
+    assert result.objective_seconds == pytest.approx(priced.bottleneck_seconds, abs=1e-8)
+
+
 def test_replication_chosen_when_one_layer_dominates() -> None:
     graph = load(chain_model(4, {}))
     costs = hand_costs(graph, [1e10, 1e8, 1e8, 1e8], params=[1e6, 0.0, 0.0, 0.0])

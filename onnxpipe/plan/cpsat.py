@@ -2,8 +2,10 @@
 with device group, replica count and recompute chosen per stage, warm-started from the DP and
 stopped at a time limit with its proven bound.
 
-The stage-time model is the DP's (see `onnxpipe.plan.dp`) in integer nanoseconds, except that a
-tensor is counted once per stage that receives it and sends use the link to the next stage's group. Memory is in KiB, rounded against the plan.
+The stage-time model is `evaluate`'s in integer nanoseconds: a tensor is counted once per stage that
+receives it, and each message is priced on the link between the producer's and the receiver's device
+groups on both ends (a skip over a stage of another group included). Memory is in KiB, rounded against
+the plan.
 
 Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `_hint`.
 """
@@ -110,28 +112,53 @@ class _Model:
         for v in self.rc:
             if recompute != "auto":
                 cp.Add(v == (recompute == "always"))
-        # Crossing tensors: received[t][s] (per stage that reads it from elsewhere), sent[t][s] (messages out).
-        self.received, self.sent, self.inputs = [], [], []
+        # Crossing tensors: received[t][s] (per stage that reads it from elsewhere); by group of the other
+        # end (see `_by_group`): came_from[t][s][g] (received from a producer in group g), went_to[t][s][g]
+        # (received by stage s of group g), sent_to[t][s][g] (messages the producer's stage s sends to group g).
+        self.received, self.inputs, self.came_from, self.went_to, self.sent_to = [], [], [], [], []
+        self.block_group = {}
         for p, cs in zip(blocks.producer, blocks.consumers):
             recv = [cp.NewBoolVar("") for _ in range(k)]
             for s in range(k):
                 for c in cs:
                     cp.Add(recv[s] >= self.x[c][s] - (self.x[p][s] if p >= 0 else 0))
-            if p < 0:
-                self.inputs.append(recv)
-                self.received.append(None)
-                self.sent.append(None)
-                continue
-            self.inputs.append(None)
-            self.received.append(recv)
-            total = sum(recv)
-            sent = [cp.NewIntVar(0, k - 1, "") for _ in range(k)]
-            for s in range(k):
-                cp.Add(sent[s] >= total - (k - 1) * (1 - self.x[p][s]))
-            self.sent.append(sent)
+            self.inputs.append(recv if p < 0 else None)
+            self.received.append(None if p < 0 else recv)
+            came, went, sent = self._by_group(int(p), recv) if p >= 0 else (None, None, None)
+            self.came_from.append(came)
+            self.went_to.append(went)
+            self.sent_to.append(sent)
         self.bottleneck = cp.NewIntVar(0, 2**50, "T")
         self._stage_constraints(recompute)
         cp.Minimize(self.bottleneck)
+
+    def _by_group(self, p: int, recv: list[cp_model.IntVar]) -> tuple[list[list], list[list] | None, list[list]]:
+        """came_from, went_to (received by a stage of group g) and sent_to of one crossing tensor produced
+        in block p; with one group, came_from is recv itself and went_to is not needed."""
+        cp, k, groups = self.cp, self.k, len(self.in_group[0])
+        if groups == 1:
+            sent = [cp.NewIntVar(0, k - 1, "") for _ in range(k)]
+            for s in range(k):
+                cp.Add(sent[s] >= sum(recv) - (k - 1) * (1 - self.x[p][s]))
+            return [[r] for r in recv], None, [[v] for v in sent]
+        if p not in self.block_group:
+            self.block_group[p] = [cp.NewBoolVar("") for _ in range(groups)]
+            cp.AddExactlyOne(self.block_group[p])
+            for s in range(k):
+                for g in range(groups):
+                    cp.AddBoolOr([self.x[p][s].Not(), self.in_group[s][g].Not(), self.block_group[p][g]])
+        came, into = ([[cp.NewBoolVar("") for _ in range(groups)] for _ in range(k)] for _ in range(2))
+        for s in range(k):
+            cp.Add(sum(came[s]) == recv[s])
+            cp.Add(sum(into[s]) == recv[s])
+            for g in range(groups):
+                cp.AddBoolOr([recv[s].Not(), self.block_group[p][g].Not(), came[s][g]])
+                cp.AddBoolOr([recv[s].Not(), self.in_group[s][g].Not(), into[s][g]])
+        sent = [[cp.NewIntVar(0, k - 1, "") for _ in range(groups)] for _ in range(k)]
+        for s in range(k):
+            for g in range(groups):
+                cp.Add(sent[s][g] >= sum(into[d][g] for d in range(k)) - (k - 1) * (1 - self.x[p][s]))
+        return came, into, sent
 
     def _stage_constraints(self, recompute: str) -> None:
         problem, blocks, cp, k = self.problem, self.blocks, self.cp, self.k
@@ -164,19 +191,21 @@ class _Model:
                     else:
                         need = _dot(self.x, s, (state + flights[s] * blocks.activations / r) / _KIB, math.ceil)
                     cp.Add(need <= cap).OnlyEnforceIf([y, flag])
+                groups = range(len(problem.groups))
                 if s < k - 1:
-                    for gn in range(len(problem.groups)):
-                        cost = [_ceil((problem.latency[g, gn] + blocks.nbytes[t] / (r * problem.bandwidth[g, gn])) * _NS) for t in crossing]
-                        out = sum(self.sent[t][s] * c for t, c in zip(crossing, cost))
-                        cp.Add(comm_out >= out).OnlyEnforceIf([y, self.in_group[s + 1][gn]])
+                    out = sum(self.sent_to[t][s][gd] * self._message(t, g, gd, r) for t in crossing for gd in groups)
+                    cp.Add(comm_out >= out).OnlyEnforceIf(y)
                 if s > 0:
-                    for gp in range(len(problem.groups)):
-                        cost = [_ceil((problem.latency[gp, g] + blocks.nbytes[t] / (r * problem.bandwidth[gp, g])) * _NS) for t in crossing]
-                        inside = sum(self.received[t][s] * c for t, c in zip(crossing, cost))
-                        cp.Add(comm_in >= inside).OnlyEnforceIf([y, self.in_group[s - 1][gp]])
+                    inside = sum(self.came_from[t][s][gp] * self._message(t, gp, g, r) for t in crossing for gp in groups)
+                    cp.Add(comm_in >= inside).OnlyEnforceIf(y)
                 if r > 1:
                     a0, a1 = allreduce_affine(problem, g, r)
                     cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.params * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
+
+    def _message(self, t: int, source: int, dest: int, replicas: int) -> int:
+        """Nanoseconds one end spends on tensor t between groups source and dest, its share over `replicas`."""
+        problem = self.problem
+        return _ceil((problem.latency[source, dest] + self.blocks.nbytes[t] / (replicas * problem.bandwidth[source, dest])) * _NS)
 
     def hint(self, layout: Layout) -> None:
         cp, k = self.cp, self.k
@@ -188,7 +217,12 @@ class _Model:
             for o in range(len(self.options)):
                 cp.AddHint(self.y[s][o], int(o == chosen))
             cp.AddHint(self.rc[s], int(layout.recompute[s]))
-        for p, cs, recv, sent, reads in zip(self.blocks.producer, self.blocks.consumers, self.received, self.sent, self.inputs):
+        groups = layout.groups
+        for p, g in self.block_group.items():
+            for h, v in enumerate(g):
+                cp.AddHint(v, int(groups[layout.block_stage[p]] == h))
+        tensors = zip(self.blocks.producer, self.blocks.consumers, self.received, self.came_from, self.went_to, self.sent_to, self.inputs)
+        for p, cs, recv, came, went, sent, reads in tensors:
             readers = set(int(layout.block_stage[c]) for c in cs)
             if recv is None:
                 for s in range(k):
@@ -198,7 +232,11 @@ class _Model:
             readers.discard(src)
             for s in range(k):
                 cp.AddHint(recv[s], int(s in readers))
-                cp.AddHint(sent[s], len(readers) if s == src else 0)
+                for h in range(len(sent[s])):
+                    if went is not None:
+                        cp.AddHint(came[s][h], int(s in readers and groups[src] == h))
+                        cp.AddHint(went[s][h], int(s in readers and groups[s] == h))
+                    cp.AddHint(sent[s][h], sum(groups[d] == h for d in readers) if s == src else 0)
 
     def layout(self, solver: cp_model.CpSolver) -> Layout:
         k = self.k
