@@ -113,8 +113,6 @@ class _StageCost:
     forward: float
     #: Backward seconds (including the recomputed forward when the stage recomputes).
     backward: float
-    #: Bytes of activations received per micro-batch (from the previous stage).
-    in_bytes: float
     #: Bytes of activations sent per micro-batch (gradients of the same size come back).
     out_bytes: float
     #: Bytes stashed per micro-batch from its F until its B.
@@ -204,7 +202,6 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
     return _StageCost(
         forward=stage.forward_seconds * scale,
         backward=stage.backward_seconds * scale,
-        in_bytes=stage.comm_in_bytes * scale,
         out_bytes=stage.comm_out_bytes * scale,
         stash=stash * scale,
         during_backward=during * scale,
