@@ -1,0 +1,275 @@
+"""Bad input, as a user meets it: every case runs `python -m onnxpipe ...` and must end with exit code 2,
+one line on stderr naming the problem and the way out, no traceback, and no output left behind.
+
+Each case lists the files it creates in its own directory (from a few models built once per module),
+the command line (paths relative to that directory), a regex the message must match, and the paths
+that must not exist afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxpipe import models
+
+ENV = {**os.environ, "COLUMNS": "80", "NO_COLOR": "1"}
+
+
+def onnxpipe(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "onnxpipe", *argv], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto],
+           initializers: list[onnx.TensorProto] = ()) -> onnx.ModelProto:  # type: ignore[assignment]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(initializers)), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _fails_checker() -> onnx.ModelProto:
+    vi = helper.make_tensor_value_info
+    return _model([helper.make_node("Relu", ["x"], ["y"], name="act", bogus=3)], [vi("x", TensorProto.FLOAT, [2, 4])],
+                  [vi("y", TensorProto.FLOAT, [2, 4])])
+
+
+def _symbolic() -> onnx.ModelProto:
+    vi = helper.make_tensor_value_info
+    return _model([helper.make_node("Relu", ["x"], ["y"], name="act")], [vi("x", TensorProto.FLOAT, ["batch", 4])],
+                  [vi("y", TensorProto.FLOAT, ["batch", 4])])
+
+
+def _einsum_with_loss() -> onnx.ModelProto:
+    vi = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.full((4, 4), 0.1, np.float32), "w")
+    nodes = [helper.make_node("Einsum", ["x", "w"], ["y"], name="mix", equation="ij,jk->ik"),
+             helper.make_node("Relu", ["y"], ["z"], name="act"),
+             helper.make_node("ReduceMean", ["z"], ["loss"], name="mean", keepdims=0)]
+    return _model(nodes, [vi("x", TensorProto.FLOAT, [2, 4])], [vi("loss", TensorProto.FLOAT, [])], [w])
+
+
+def _target(memory: str, extra: str = "") -> str:
+    return f"""name = "tiny"
+description = "two small accelerators"
+{extra}
+[[devices]]
+name = "dev"
+kind = "fpga"
+count = 2
+memory = "{memory}"
+memory_bandwidth = "460 GB/s"
+op_overhead = "5 us"
+[devices.peak_flops]
+float32 = "1 TFLOP/s"
+[devices.efficiency]
+default = 0.3
+[[links]]
+between = ["dev", "dev"]
+bandwidth = "12 GB/s"
+latency = "10 us"
+topology = "pcie"
+"""
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Models and a stage directory every case copies from."""
+    from onnxpipe.graph import load
+    from onnxpipe.plan import plan_model
+    from onnxpipe.split import split
+
+    root = tmp_path_factory.mktemp("bad-input-base")
+    onnx.save(models.build("mlp"), str(root / "mlp.onnx"))
+    onnx.save(models.build("two-io"), str(root / "other.onnx"))
+    onnx.save(_fails_checker(), str(root / "fails_checker.onnx"))
+    onnx.save(_symbolic(), str(root / "symbolic.onnx"))
+    onnx.save(_einsum_with_loss(), str(root / "einsum.onnx"))
+    graph, _, _, plan = plan_model(root / "mlp.onnx", "fpga4", stages=2, time_limit=5)
+    split(graph, plan, root / "stages")
+    load(root / "mlp.onnx")  # the base must itself be good input
+    np.savez(root / "good.npz", x=np.zeros((8, 16), np.float32))
+    return root
+
+
+def copy(*names: str) -> Callable[[Path, Path], None]:
+    def make(tmp: Path, base: Path) -> None:
+        for name in names:
+            (shutil.copytree if (base / name).is_dir() else shutil.copy)(base / name, tmp / name)
+    return make
+
+
+def write(name: str, content: str | bytes) -> Callable[[Path, Path], None]:
+    def make(tmp: Path, base: Path) -> None:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return make
+
+
+def both(*makers: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
+    def make(tmp: Path, base: Path) -> None:
+        for maker in makers:
+            maker(tmp, base)
+    return make
+
+
+def truncated(tmp: Path, base: Path) -> None:
+    (tmp / "cut.onnx").write_bytes((base / "mlp.onnx").read_bytes()[:3000])
+
+
+def npz(**arrays: np.ndarray) -> Callable[[Path, Path], None]:
+    def make(tmp: Path, base: Path) -> None:
+        np.savez(tmp / "in.npz", **arrays)
+    return make
+
+
+def edited_stages(edit: Callable[[dict, Path], None]) -> Callable[[Path, Path], None]:
+    """The stage directory with its manifest (or files) edited into inconsistency."""
+    def make(tmp: Path, base: Path) -> None:
+        shutil.copytree(base / "stages", tmp / "stages")
+        shutil.copy(base / "mlp.onnx", tmp / "mlp.onnx")
+        shutil.copy(base / "good.npz", tmp / "good.npz")
+        path = tmp / "stages" / "manifest.json"
+        data = json.loads(path.read_text())
+        edit(data, tmp / "stages")
+        path.write_text(json.dumps(data))
+    return make
+
+
+def _unsent(data: dict, _: Path) -> None:
+    for out in data["stages"][0]["outputs"]:
+        out["consumers"] = [c for c in out["consumers"] if c != 1]
+
+
+def _missing_file(_: dict, directory: Path) -> None:
+    (directory / "stage_1.onnx").unlink()
+
+
+def _out_of_order(data: dict, _: Path) -> None:
+    data["stages"][0]["index"], data["stages"][1]["index"] = 1, 0
+
+
+def _wrong_shape(data: dict, _: Path) -> None:
+    data["stages"][1]["inputs"][0]["shape"] = [8, 999]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    files: Callable[[Path, Path], None]
+    argv: tuple[str, ...]
+    message: str
+    absent: tuple[str, ...] = ()
+
+
+CASES = [
+    Case("not-a-file", write("dir/placeholder", ""), ("plan", "dir", "-t", "fpga4"), r"dir: not a file; pass the path of an \.onnx model"),
+    Case("missing-file", lambda t, b: None, ("annotate", "nowhere.onnx"), r"nowhere\.onnx: no such file"),
+    Case("not-onnx", write("text.onnx", "hello, not a model\n"), ("split", "text.onnx", "-t", "fpga4", "-o", "out"),
+         r"text\.onnx: not a readable ONNX model .*re-export", ("out",)),
+    Case("truncated-protobuf", truncated, ("split", "cut.onnx", "-t", "fpga4", "-o", "out"), r"cut\.onnx: not a readable ONNX model \(EOFError\); .*complete",
+         ("out",)),
+    Case("fails-onnx-checker", copy("fails_checker.onnx"), ("split", "fails_checker.onnx", "-t", "fpga4", "-o", "out"),
+         r"fails_checker\.onnx: fails onnx\.checker \(Unrecognized attribute: bogus for operator Relu\); .*re-export", ("out",)),
+    Case("unbound-symbolic-dim", copy("symbolic.onnx"), ("plan", "symbolic.onnx", "-t", "fpga4", "-o", "p.json"),
+         r"dim 'batch' of input 'x' is unbound; .*--dim batch=VALUE", ("p.json",)),
+    Case("dim-names-nothing", copy("mlp.onnx"), ("annotate", "mlp.onnx", "--dim", "seq=4", "-o", "a.onnx"),
+         r"--dim seq names no symbolic dim of the model", ("a.onnx",)),
+    Case("op-without-gradient", copy("einsum.onnx"), ("train", "einsum.onnx", "--steps", "1", "--microbatches", "1", "--json", "t.json"),
+         r"no gradient for 1 node\(s\): mix \(Einsum\); re-export", ("t.json",)),
+    Case("no-loss-output", copy("mlp.onnx"), ("train", "mlp.onnx", "--steps", "1", "--json", "t.json"),
+         r"model 'mlp\.onnx' has no loss output; add one with --loss", ("t.json",)),
+    Case("target-unknown-key", both(copy("mlp.onnx"), write("t.toml", _target("8 GiB", "colour = 'red'"))),
+         ("plan", "mlp.onnx", "-t", "t.toml", "-o", "p.json"), r"t\.toml: colour: unknown key; use name, description", ("p.json",)),
+    Case("target-missing-field", both(copy("mlp.onnx"), write("t.toml", _target("8 GiB").replace('op_overhead = "5 us"\n', ""))),
+         ("split", "mlp.onnx", "-t", "t.toml", "-o", "out"), r"t\.toml: devices\[0\]\.op_overhead: missing; add e\.g\. op_overhead =", ("out",)),
+    Case("target-negative-number", both(copy("mlp.onnx"), write("t.toml", _target("-4 GiB"))), ("plan", "mlp.onnx", "-t", "t.toml"),
+         r"t\.toml: devices\[0\]\.memory: must be positive, got '-4 GiB'"),
+    Case("target-unknown-name", copy("mlp.onnx"), ("plan", "mlp.onnx", "-t", "fpga9"), r"unknown target 'fpga9'; bundled targets: .*\.toml"),
+    Case("more-stages-than-devices", copy("mlp.onnx"), ("split", "mlp.onnx", "-t", "fpga4", "--stages", "5", "-o", "out"),
+         r"--stages 5 is more than the target's 4 devices; use at most 4", ("out",)),
+    Case("infeasible-memory", both(copy("mlp.onnx"), write("t.toml", _target("1 KiB"))), ("split", "mlp.onnx", "-t", "t.toml", "-o", "out"),
+         r"no plan fits: the smallest stage needs .* of memory but the largest device holds .*; try --recompute always", ("out",)),
+    Case("plan-for-another-model", both(copy("other.onnx"), copy("stages")), ("split", "other.onnx", "--plan", "stages/plan.json", "-o", "out"),
+         r"the plan was made for another model \(fingerprint \w+, this model's is \w+\); re-plan", ("out",)),
+    Case("plan-not-json", both(copy("mlp.onnx"), write("p.json", "{")), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
+         r"p\.json: not valid JSON .*regenerate it", ("out",)),
+    Case("manifest-input-not-sent", edited_stages(_unsent), ("verify", "stages", "mlp.onnx"),
+         r"manifest\.json: stage 1 input '[^']+' is not sent to it by stage 0; .*onnxpipe split"),
+    Case("manifest-stage-file-missing", edited_stages(_missing_file), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"manifest\.json: stage 1 file stage_1\.onnx is missing; .*onnxpipe split", ("o.npz",)),
+    Case("manifest-stage-out-of-order", edited_stages(_out_of_order), ("train", "stages", "--steps", "1", "--json", "t.json"),
+         r"manifest\.json: stage 0 is listed with index 1; stages must be numbered 0\.\.1 in order", ("t.json",)),
+    Case("manifest-shape-disagrees", edited_stages(_wrong_shape), ("verify", "stages", "mlp.onnx"),
+         r"manifest\.json: stage 1 input '[^']+' is float32 \(8, 999\) in the manifest but float32 \(8, \d+\) in stage_1\.onnx"),
+    Case("manifest-not-json", both(copy("stages", "good.npz"), write("stages/manifest.json", "[")), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"manifest\.json: not valid JSON", ("o.npz",)),
+    Case("npz-missing-array", both(copy("stages"), npz(y=np.zeros(3))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"input 'x' is missing; give an array of shape \(8, 16\) \(float32\)", ("o.npz",)),
+    Case("npz-wrong-shape", both(copy("stages"), npz(x=np.zeros((3, 3), np.float32))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"input 'x' has shape \(3, 3\); the stages expect \(8, 16\)", ("o.npz",)),
+    Case("npz-not-npz", both(copy("stages"), write("in.npz", "junk")), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"in\.npz: not a readable \.npz .*np\.savez", ("o.npz",)),
+    Case("split-output-unwritable", both(copy("mlp.onnx"), write("file", "")), ("split", "mlp.onnx", "-t", "fpga4", "-o", "file/out"),
+         r"cannot write there .*choose a writable -o"),
+    Case("split-annotated-unwritable", both(copy("mlp.onnx"), write("file", "")),
+         ("split", "mlp.onnx", "-t", "fpga4", "-o", "out", "--annotated", "file/a.onnx"), r"file/a\.onnx: cannot write the annotated model", ("out",)),
+    Case("run-output-unwritable", both(copy("stages"), copy("good.npz"), write("file", "")),
+         ("run", "stages", "--inputs", "good.npz", "-o", "file/o.npz"), r"file/o\.npz: cannot write \(Not a directory\); choose another -o"),
+    Case("annotate-output-unwritable", both(copy("mlp.onnx"), write("file", "")), ("annotate", "mlp.onnx", "-o", "file/a.onnx"),
+         r"file/a\.onnx: cannot write the annotated model .*-o"),
+    Case("plan-output-unwritable", both(copy("mlp.onnx"), write("file", "")), ("plan", "mlp.onnx", "-t", "fpga4", "-o", "file/p.json"),
+         r"file/p\.json: cannot write the plan \(Not a directory\)"),
+    Case("report-output-unwritable", both(copy("stages"), write("file", "")), ("report", "stages", "-o", "file/r.html"),
+         r"file/r\.html: cannot write the report"),
+    Case("checkpoint-dir-unwritable", both(copy("stages"), write("file", "")),
+         ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "1", "--checkpoint-dir", "file/ck", "--checkpoint-every", "1"),
+         r"file/ck: cannot write a checkpoint there .*--checkpoint-dir"),
+    Case("bad-dim-syntax", copy("mlp.onnx"), ("annotate", "mlp.onnx", "--dim", "batch"), r"--dim 'batch': expected NAME=VALUE"),
+    Case("resume-without-dir", copy("stages"), ("train", "stages", "--resume"), r"--resume needs --checkpoint-dir DIR"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case: Case, base: Path, tmp_path: Path) -> None:
+    case.files(tmp_path, base)
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    result = onnxpipe(*case.argv, cwd=tmp_path)
+    err = result.stderr.strip()
+    assert result.returncode == 2, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    assert "Traceback" not in result.stderr + result.stdout
+    assert err and len(err.splitlines()) == 1, f"stderr is not one line:\n{result.stderr}"
+    assert err.startswith("error: ")
+    assert re.search(case.message, err), err
+    for path in case.absent:
+        assert not (tmp_path / path).exists(), f"{path} was left behind"
+    left = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} - before
+    assert not [p for p in left if p.name.startswith(".")], f"temporary files left behind: {left}"
+
+
+def test_long_messages_stay_on_one_line(base: Path, tmp_path: Path) -> None:
+    """A message far wider than the terminal is not wrapped (a narrow COLUMNS must not split it)."""
+    deep = tmp_path / ("a-rather-long-directory-name-" * 4)
+    deep.mkdir()
+    result = subprocess.run([sys.executable, "-m", "onnxpipe", "plan", str(deep / "missing.onnx"), "-t", "fpga4"], cwd=tmp_path,
+                            env={**ENV, "COLUMNS": "40"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(deep / "missing.onnx") in result.stderr
+
+
+def test_debug_shows_the_traceback(base: Path, tmp_path: Path) -> None:
+    shutil.copy(base / "symbolic.onnx", tmp_path / "symbolic.onnx")
+    result = onnxpipe("--debug", "plan", "symbolic.onnx", "-t", "fpga4", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "OnnxpipeError" in result.stderr and "is unbound" in result.stderr
