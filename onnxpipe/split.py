@@ -317,7 +317,7 @@ def _write_stage(graph: Graph, plan: Plan, index: int, layout: _StageLayout, ori
         first = str(exc).strip().splitlines()[0][:300]
         raise OnnxpipeError(f"stage {index} fails shape inference ({first}); run onnx.checker with full_check on the model") from exc
     except OSError as exc:
-        raise OnnxpipeError(f"{directory}: cannot write stage {index} ({exc.strerror}); free space or choose another -o") from exc
+        raise OnnxpipeError(f"{directory.parent}: cannot write stage {index} ({exc.strerror}); free space or choose another -o") from exc
     if data_file and not (directory / data_file).exists():
         data_file = None  # no initializer large enough for the side file
     size = path.stat().st_size + ((directory / data_file).stat().st_size if data_file else 0)
