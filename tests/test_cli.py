@@ -1,0 +1,139 @@
+"""The command line as a user meets it: every command in a fresh `python -m onnxpipe` process, its
+`--help`, and a happy path on a tiny zoo model with the key lines of its output checked.
+
+The happy paths run in order on one module-wide directory (build -> annotate -> plan -> split ->
+verify -> run -> simulate -> report; train on its own training model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+ENV = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def onnxpipe(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "onnxpipe", *argv], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def ok(*argv: str, cwd: Path) -> str:
+    result = onnxpipe(*argv, cwd=cwd)
+    assert result.returncode == 0, f"{argv}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "Traceback" not in result.stderr
+    return result.stdout
+
+
+HELP = {
+    (): ["--debug", "annotate", "split", "verify", "run", "plan", "train", "simulate", "report", "models", "targets"],
+    ("models",): ["build"],
+    ("models", "build"): ["--output", "--set", "--train"],
+    ("targets",): ["show"],
+    ("targets", "show"): ["target", "bundled target name"],
+    ("annotate",): ["--output", "--json", "--profile", "--dim"],
+    ("plan",): ["--target", "--stages", "--microbatches", "--schedule", "--recompute", "--time-limit", "--compare", "--output"],
+    ("split",): ["--target", "--output", "--stages", "--plan", "--cuts", "--force", "--annotated"],
+    ("verify",): ["directory", "model", "--samples", "--seed", "--dim"],
+    ("run",): ["--inputs", "--output", "--microbatches"],
+    ("train",): ["--target", "--steps", "--microbatches", "--schedule", "--loss", "--labels", "--checkpoint-dir", "--resume", "--check", "--json"],
+    ("simulate",): ["--target", "--schedule", "--microbatches", "--json"],
+    ("report",): ["--output", "--target", "--model", "--schedule"],
+}
+
+
+@pytest.mark.parametrize("command", list(HELP), ids=[" ".join(c) or "onnxpipe" for c in HELP])
+def test_help_exits_0_and_names_the_options(command: tuple[str, ...], tmp_path: Path) -> None:
+    out = ok(*command, "--help", cwd=tmp_path)
+    assert "Usage:" in out
+    missing = [option for option in HELP[command] if option not in out]
+    assert not missing, f"`onnxpipe {' '.join(command)} --help` does not mention {missing}:\n{out}"
+
+
+def test_no_command_shows_usage(tmp_path: Path) -> None:
+    result = onnxpipe(cwd=tmp_path)
+    assert "Usage:" in result.stdout + result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model built by the CLI itself, shared by the happy paths."""
+    root = tmp_path_factory.mktemp("cli")
+    out = ok("models", "build", "mlp", "-o", "mlp.onnx", "--set", "layers=3", cwd=root)
+    assert re.search(r"wrote mlp\.onnx \(mlp, \d+ nodes, [\d.]+ MiB\)", out)
+    return root
+
+
+def test_models_lists_the_zoo(tmp_path: Path) -> None:
+    out = ok("models", cwd=tmp_path)
+    for name in ("mlp", "gpt2-tiny", "resnet50", "two-io"):
+        assert name in out
+
+
+def test_targets_lists_and_shows(tmp_path: Path) -> None:
+    out = ok("targets", cwd=tmp_path)
+    for name in ("fpga4", "gpu4", "hetero", "cpu2", "cpu4"):
+        assert name in out
+    shown = ok("targets", "show", "fpga4", cwd=tmp_path)
+    assert "fpga4" in shown and "u280" in shown and "links" in shown and "8 GiB" in shown
+
+
+def test_annotate(work: Path) -> None:
+    out = ok("annotate", "mlp.onnx", "-o", "mlp.annotated.onnx", "--json", "costs.json", cwd=work)
+    assert "Gemm" in out and re.search(r"total: \d+ nodes, .* forward, .* backward", out)
+    assert "wrote mlp.annotated.onnx" in out and "wrote costs.json" in out
+    data = json.loads((work / "costs.json").read_text())
+    assert data["totals"]["flops"] > 0
+
+
+def test_plan(work: Path) -> None:
+    out = ok("plan", "mlp.onnx", "-t", "fpga4", "--stages", "2", "--time-limit", "5", "-o", "plan.json", "--compare", cwd=work)
+    assert re.search(r"2 stages of mlp\.onnx on .*fpga4", out)
+    assert re.search(r"lower bound: [\d.]+ ms \(bottleneck / bound = [\d.]+\)", out)
+    assert re.search(r"solver: (OPTIMAL|FEASIBLE), bound", out) and "baselines" in out and "wrote plan.json" in out
+    assert len(json.loads((work / "plan.json").read_text())["stages"]) == 2
+
+
+def test_split_verify_run(work: Path) -> None:
+    out = ok("split", "mlp.onnx", "--plan", "plan.json", "-o", "stages", cwd=work)
+    assert "2 stages of mlp.onnx" in out and "wrote stages/ (stage_*.onnx, manifest.json, plan.json)" in out
+    assert sorted(p.name for p in (work / "stages").iterdir()) == ["manifest.json", "plan.json", "stage_0.onnx", "stage_1.onnx"]
+
+    out = ok("verify", "stages", "mlp.onnx", cwd=work)
+    assert re.search(r"all 1 outputs match within 1e-05 relative", out)
+
+    x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+    np.savez(work / "in.npz", x=x)
+    out = ok("run", "stages", "--inputs", "in.npz", "-o", "out.npz", "--microbatches", "2", cwd=work)
+    assert "wrote out.npz" in out
+    session = ort.InferenceSession(str(work / "mlp.onnx"), providers=["CPUExecutionProvider"])
+    want = np.concatenate([session.run(None, {"x": x[i * 8:(i + 1) * 8]})[0] for i in range(2)])
+    with np.load(work / "out.npz") as got:
+        np.testing.assert_allclose(got[list(got.files)[0]], want, rtol=1e-5, atol=1e-6)
+
+
+def test_simulate_and_report(work: Path) -> None:
+    out = ok("simulate", "plan.json", "--json", "sim.json", cwd=work)
+    assert re.search(r"iteration [\d.]+ ms, .* samples/s, bubble [\d.]+%", out)
+    assert json.loads((work / "sim.json").read_text())
+    out = ok("report", "plan.json", "-o", "report/index.html", cwd=work)
+    assert "index.html" in out
+    page = (work / "report" / "index.html").read_text()
+    assert "<html" in page.lower() and (work / "report" / "report_gantt.png").stat().st_size > 0
+
+
+def test_train(work: Path) -> None:
+    ok("models", "build", "mlp", "--train", "-o", "mlp-train.onnx", cwd=work)
+    out = ok("train", "mlp-train.onnx", "-t", "cpu2", "--stages", "2", "--microbatches", "2", "--steps", "3", "--lr", "0.1",
+             "--check", "--json", "train.json", cwd=work)
+    assert "training 2 stages (1f1b, 2 micro-batches" in out
+    assert re.search(r"losses: [\d.]+ [\d.]+ [\d.]+", out)
+    assert re.search(r"check against the unpartitioned model: max loss difference [\d.e+-]+ \(relative\)", out)
+    data = json.loads((work / "train.json").read_text())
+    assert len(data["losses"]) == 3 and data["check"]["max_loss_rel_diff"] < 1e-5
