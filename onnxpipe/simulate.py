@@ -6,11 +6,12 @@ Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public e
 
 Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
 order on its device(s). F and B take the plan's per-micro-batch seconds (a recomputing stage's
-backward seconds already include its second forward). SEND starts a transfer and does not block the sender; RECV blocks
-until the matching transfer has arrived. Every directed device pair is one physical link channel:
-transfers in flight on it share its bandwidth equally (processor sharing), then pay its latency.
-On "shm" links (worker processes on one host) the sending process does the copying, so it is
-blocked until its transfer has arrived; other links move data in the background (DMA).
+backward seconds already include its second forward) plus the device's fixed `action_overhead`.
+SEND starts a transfer and does not block the sender; RECV blocks until the matching transfer has
+arrived. Every directed device pair is one physical link channel: transfers in flight on it share
+its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
+on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
+other links move data in the background (DMA).
 A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
 of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth).
@@ -199,9 +200,10 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
     stash, during = stash_bytes(plan, stage)
     bandwidth = min(target.device(d).memory_bandwidth for d in stage.devices)
     step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
+    overhead = max(target.device(d).action_overhead for d in stage.devices)
     return _StageCost(
-        forward=stage.forward_seconds * scale,
-        backward=stage.backward_seconds * scale,
+        forward=stage.forward_seconds * scale + overhead,
+        backward=stage.backward_seconds * scale + overhead,
         out_bytes=stage.comm_out_bytes * scale,
         stash=stash * scale,
         during_backward=during * scale,

@@ -249,3 +249,15 @@ def test_cli_simulate_and_report(tmp_path) -> None:
     assert (tmp_path / "report_gantt.png").is_file() and (tmp_path / "report_memory.png").is_file()
     bad = _cli("simulate", "missing.json", cwd=tmp_path)
     assert bad.returncode == 2 and "no such plan file" in bad.stderr
+
+
+def test_action_overhead_is_added_to_every_forward_and_backward() -> None:
+    # 2 stages, 1 micro-batch, 1 GB hops of 1.5 s: F0, hop, F1, B1, hop, B0, each compute action 0.25 s longer.
+    target = make_target(2, bandwidth=1e9, latency=0.5)
+    target = replace(target, devices=tuple(replace(d, action_overhead=0.25) for d in target.devices))
+    sim = simulate(make_plan(2, 1, forward=1.0, backward=1.0, comm_bytes=1e9), target)
+    assert sim.iteration_seconds == pytest.approx(7.0 + 4 * 0.25)
+    assert sorted(e.end - e.start for e in sim.events if e.kind in ("F", "B")) == pytest.approx([1.25] * 4)
+    # Per action, not per second of work: halving the micro-batch size halves the compute, not the overhead.
+    sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.0, backward=1.0), target, microbatches=4)
+    assert {round(e.end - e.start, 9) for e in sim.events if e.kind in ("F", "B")} == {0.75}

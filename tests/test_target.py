@@ -145,6 +145,8 @@ BAD = [
     ('between = ["f", "g"]', 'between = ["f", "f"]', r"no link between device groups g and f; add \[\[links\]\] with between = \[\"g\", \"f\"\]"),
     ('name = "f"', 'name = "g"', r"devices\[1\]\.name: group 'g' appears twice"),
     ("count = 2", "count = 2.5", r"devices\[0\]\.count: expected a positive whole number"),
+    ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "-3 us"', r"devices\[0\]\.action_overhead: must be zero or more"),
+    ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "3 GB"', r"devices\[0\]\.action_overhead: "),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
 
@@ -165,6 +167,11 @@ def test_cpu_devices_need_threads(tmp_path: Path) -> None:
     with pytest.raises(OnnxpipeError, match=r"devices\[1\]\.threads: missing; cpu devices need it"):
         load_target(write(tmp_path, text))
     assert load_target(write(tmp_path, text.replace("op_overhead = 0", "op_overhead = 0\nthreads = 1"))).device("f_0").threads == 1
+
+
+def test_action_overhead_is_optional_seconds(tmp_path: Path) -> None:
+    target = load_target(write(tmp_path, GOOD.replace('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "40 us"', 1)))
+    assert [d.action_overhead for d in target.devices] == pytest.approx([40e-6, 40e-6, 0.0])
 
 
 def test_unknown_name_and_missing_file(tmp_path: Path) -> None:
