@@ -447,6 +447,7 @@ def train(
     json_path: str = typer.Option(None, "--json", help="Write losses and measurements (step_seconds, bubble_fraction, per stage) as JSON."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic data."),
+    report_path: str = typer.Option(None, "--report", help="Write FILE.html: the measured timeline of the last step beside the simulated one."),
 ) -> None:
     """Train a model as a pipeline: one worker process per stage, the schedule's table, shared-memory transport."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -500,6 +501,11 @@ def train(
         if json_path:
             write_json(json_path, metrics)
             console.print(f"wrote {escape(json_path)}", highlight=False)
+        if report_path:
+            from onnxpipe.train.timeline import write_report
+
+            for written in write_report(pipe, report_path, target):
+                console.print(f"wrote {escape(str(written))}", highlight=False)
 
 
 # --- simulate, report ----------------------------------------------------------

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.simulate import Event
 from onnxpipe.train.stage import StageSpec
+from onnxpipe.train.timeline import step_events
 from onnxpipe.train.transport import ShmTransport, sweep_segments
 from onnxpipe.train.worker import OPS, worker_main
 
@@ -44,6 +46,8 @@ class StepStats:
     #: Per stage: peak bytes of stashed activations, peak RSS of the worker.
     peak_stash_bytes: tuple[int, ...]
     peak_rss_bytes: tuple[int, ...]
+    #: What every stage did when, in seconds from the step's start (see `timeline.step_events`).
+    events: tuple[Event, ...] = ()
 
 
 class ProcessPipeline:
@@ -96,7 +100,7 @@ class ProcessPipeline:
         losses = [x for r in replies for x in r[2]]
         seconds = time.perf_counter() - start
         self.last = StepStats(float(np.mean(losses)), seconds, tuple(r[3] for r in replies), tuple(r[4] for r in replies),
-                              tuple(r[5] for r in replies), tuple(r[6] for r in replies))
+                              tuple(r[5] for r in replies), tuple(r[6] for r in replies), step_events(start, [r[7] for r in replies]))
         return self.last.loss
 
     def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:

@@ -24,12 +24,14 @@ from onnx import numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest
+from onnxpipe.simulate import Event
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from onnxpipe.train.data import split_microbatches
 from onnxpipe.train.local import LocalPipeline
 from onnxpipe.train.loss import LossSpec
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.prepare import TrainConfig, model_inputs, prepare_single, prepare_stages
+from onnxpipe.train.timeline import step_events
 
 __all__ = ["Pipeline"]
 
@@ -69,6 +71,8 @@ class Pipeline:
         self._copy: list[tuple[float, ...]] = []
         self._peaks: tuple[int, ...] = ()
         self._stash_peaks: tuple[int, ...] = ()
+        #: The measured timeline of the last step (seconds from its start), in the simulator's event format.
+        self.last_events: tuple[Event, ...] = ()
         if processes:
             from onnxpipe.train.executor import ProcessPipeline
 
@@ -146,11 +150,13 @@ class Pipeline:
         loss = self.engine.train_step(mbs)
         seconds = time.perf_counter() - start
         if before is not None:
+            self.last_events = step_events(start, [p.take_timings() for p in self.engine.programs])
             self._busy.append(tuple(r.busy_seconds - b for r, b in zip(self.engine.runners, before)))
             self._copy.append(tuple(0.0 for _ in before))
             self._stash_peaks = tuple(r.peak_stash_bytes for r in self.engine.runners)
         else:
             last = self.engine.last
+            self.last_events = last.events
             self._busy.append(last.busy_seconds)
             self._copy.append(last.copy_seconds)
             self._peaks, self._stash_peaks = last.peak_rss_bytes, last.peak_stash_bytes

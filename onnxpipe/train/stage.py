@@ -134,12 +134,15 @@ class StageRunner:
 
 
 class StageProgram:
-    """Runs a stage's lowered actions against a transport; `trace` records what ran, in order."""
+    """Runs a stage's lowered actions against a transport; `trace` records what ran, in order, and
+    `timings` when: (op, micro-batch, start, end) in `time.perf_counter()` seconds, which on Linux is one
+    clock for all processes, so the driver can place every worker's actions on one timeline."""
 
     def __init__(self, runner: StageRunner, transport: Transport) -> None:
         self.runner = runner
         self.transport = transport
         self.trace: list[Action] = []
+        self.timings: list[tuple[str, int, float, float]] = []
         self._inbox: dict[int, dict[str, np.ndarray]] = {}
         self._outbox: dict[int, dict[str, np.ndarray]] = {}
         self._grads_in: dict[int, dict[str, np.ndarray]] = {}
@@ -165,7 +168,18 @@ class StageProgram:
             self._send_shared()
         return all(self.transport.ready(k, i) for k, i in self.needs(action))
 
+    def take_timings(self) -> list[tuple[str, int, float, float]]:
+        """The timings recorded since the last call (one step's worth when called after each step)."""
+        out, self.timings = self.timings, []
+        return out
+
     def perform(self, action: Action) -> None:
+        start = time.perf_counter()
+        self._perform(action)
+        self.timings.append((action.op, action.microbatch, start, time.perf_counter()))
+        self.trace.append(action)
+
+    def _perform(self, action: Action) -> None:
         w, r, i = self.runner.spec.wiring, self.runner, action.microbatch
         me = r.spec.index
         if action.op == "RECV_F":
@@ -205,7 +219,6 @@ class StageProgram:
                 grads[p] = total
             self._sent_shared = False
             r.step(grads)
-        self.trace.append(action)
 
     def _send_shared(self) -> None:
         if self._sent_shared:

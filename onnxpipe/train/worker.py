@@ -56,7 +56,7 @@ def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, pref
                     program.perform(action)
                 current[mark[0]] = 0
                 results.put(("done", me, runner.take_losses(), runner.busy_seconds - busy0, transport.copy_seconds - copy0,
-                             runner.peak_stash_bytes, peak_rss_bytes()))
+                             runner.peak_stash_bytes, peak_rss_bytes(), program.take_timings()))
             elif cmd[0] == "evaluate":
                 outputs = []
                 for i in range(cmd[1]):

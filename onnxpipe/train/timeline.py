@@ -1,0 +1,38 @@
+"""The measured timeline of a training step in the simulator's event format, and the report that sets
+it beside the simulated one (`onnxpipe train --report`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from onnxpipe.simulate import Event
+
+if TYPE_CHECKING:
+    from onnxpipe.train.pipeline import Pipeline
+
+__all__ = ["step_events", "write_report"]
+
+#: Executor ops as timeline kinds: a RECV bar spans waiting for the data and copying it out.
+_KINDS = {"F": "F", "B": "B", "RECV_F": "RECV", "RECV_B": "RECV", "SEND_F": "SEND", "SEND_B": "SEND", "STEP": "STEP"}
+
+
+def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, float]]]) -> tuple[Event, ...]:
+    """Events from each stage's (op, micro-batch, start, end) perf_counter timings, in seconds from `start`."""
+    return tuple(
+        Event(stage, _KINDS[op], mb, t0 - start, t1 - start)
+        for stage, rows in enumerate(timings)
+        for op, mb, t0, t1 in rows
+    )
+
+
+def write_report(pipeline: Pipeline, path: str | os.PathLike, target: str) -> tuple[Path, ...]:
+    """The plan's report with the simulated step (the run's schedule and micro-batches) and the last measured step."""
+    from onnxpipe import report
+    from onnxpipe.simulate import plan_target, read_plan, simulate
+
+    plan = read_plan(pipeline.directory)
+    sim = simulate(plan, plan_target(plan, target), schedule=pipeline.config.schedule, microbatches=pipeline.config.microbatches)
+    return report.write(path, plan, sim, measured=pipeline.last_events)
