@@ -571,3 +571,45 @@ def report_command(
     if found is None:
         console.print(f"model {escape(plan.model)} not found: no model figure (pass --model)", highlight=False)
     console.print("wrote " + ", ".join(escape(str(p)) for p in written), highlight=False)
+
+
+@app.command("inspect")
+@friendly
+def inspect_command(
+    model: str = typer.Argument(..., help="The .onnx model."),
+    dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
+    nodes: bool = typer.Option(False, "--nodes", help="List every compute node with its outputs (names to give --cuts)."),
+) -> None:
+    """Show a model as onnxpipe sees it: inputs, outputs, weights, op types, and the nodes that cannot be trained."""
+    from collections import Counter
+
+    from rich.table import Table
+
+    from onnxpipe.graph import load
+    from onnxpipe.train.graphs import UNTRAINABLE_OPS
+    from onnxpipe.units import format_bytes
+
+    graph = load(model, parse_dims(dim))
+    console.print(f"[bold]{graph.source}[/]: {len(graph.compute_nodes)} compute nodes, {len(graph.constant_nodes)} constant nodes, "
+                  f"ir_version {graph.model.ir_version}, opsets " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in graph.model.opset_import))
+    io = Table("", "name", "dtype", "shape", title="inputs and outputs")
+    for kind, names in (("input", graph.inputs), ("output", graph.outputs)):
+        for name in names:
+            info = graph.tensors.get(name)
+            io.add_row(kind, name, info.dtype if info else "?", str(list(info.shape)) if info else "?")
+    console.print(io)
+    params = graph.parameters
+    console.print(f"weights: {len(params)} tensors, {format_bytes(sum(graph.tensors[p].nbytes for p in params))}")
+    ops = Counter(graph.node(n).op_type for n in graph.compute_nodes)
+    console.print("op types: " + ", ".join(f"{op} x{count}" for op, count in ops.most_common()))
+    untrainable = [n for n in graph.compute_nodes if graph.node(n).op_type in UNTRAINABLE_OPS]
+    if untrainable:
+        console.print(f"[yellow]no gradient in onnxruntime-training for {len(untrainable)} node(s):[/] "
+                      + ", ".join(f"{n} ({graph.node(n).op_type})" for n in untrainable[:10]) + (" ..." if len(untrainable) > 10 else ""))
+    if nodes:
+        table = Table("#", "node", "op", "outputs", "shape", title="compute nodes in topological order")
+        for i, name in enumerate(graph.compute_nodes):
+            outs = [o for o in graph.node(name).output if o]
+            info = graph.tensors.get(outs[0]) if outs else None
+            table.add_row(str(i), name, graph.node(name).op_type, ", ".join(outs), str(list(info.shape)) if info else "")
+        console.print(table)

@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper, shape_inference
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.protostream import is_streamable, raw_nbytes, read_model, skeleton
 
-__all__ = ["TensorInfo", "Graph", "load", "subgraph_captures", "RANDOM_OPS"]
+__all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -123,13 +123,7 @@ class Graph:
     def parameters(self) -> tuple[str, ...]:
         """Floating-point initializers of more than one element: the trainable weights. Scalars (a Pow
         exponent, a 1/sqrt(d) scale) are constants of the formula, not weights."""
-        return tuple(
-            sorted(
-                n
-                for n in self.initializers
-                if np.issubdtype(np.dtype(self.tensors[n].dtype), np.floating) and math.prod(self.tensors[n].shape) > 1
-            )
-        )
+        return tuple(sorted(n for n in self.initializers if is_weight(self.tensors[n].dtype, self.tensors[n].shape)))
 
     def producer(self, tensor: str) -> str | None:
         """The node producing a tensor, None for graph inputs and initializers."""
@@ -153,6 +147,12 @@ class Graph:
             cache = {t: tuple(ns) for t, ns in found.items()}
             object.__setattr__(self, "_consumer_cache", cache)
         return cache.get(tensor, ())
+
+
+def is_weight(dtype: str, shape: tuple[int, ...]) -> bool:
+    """A floating-point initializer of more than one element is a trainable weight; scalars and
+    one-element tensors (a Pow exponent, a 1/sqrt(d) scale, a mask fill value) are constants."""
+    return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1
 
 
 def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None) -> Graph:

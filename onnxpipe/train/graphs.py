@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import is_weight
 
 __all__ = [
     "StageGraphs",
@@ -41,7 +42,6 @@ UNTRAINABLE_OPS = frozenset(
 )
 #: Name of the stage's total (real + surrogate) loss output.
 TOTAL_LOSS = "onnxpipe/total_loss"
-_FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _OPTIONAL_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
 
 
@@ -86,8 +86,8 @@ class StageGraphs:
 
 
 def is_trainable_initializer(tensor: TensorProto) -> bool:
-    """Floating-point tensors with at least one axis: weights. Scalar constants (a Pow exponent, a 1/sqrt(d)) stay fixed."""
-    return tensor.data_type in _FLOAT_TYPES and len(tensor.dims) > 0
+    """The graph IR's rule for weights (`onnxpipe.graph.is_weight`), on a raw initializer."""
+    return is_weight(helper.tensor_dtype_to_np_dtype(tensor.data_type).name, tuple(tensor.dims))
 
 
 def build_stage_graphs(
@@ -246,7 +246,9 @@ def _gradient_model(model: onnx.ModelProto, trained: set[str], origin: str) -> o
             builder.build()
         return onnx.load_from_string(builder.get_model())
     except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        lines = str(exc).strip().splitlines()
+        # onnxruntime prefixes the reason with source location and status code, separated by " : ".
+        first = lines[0].split(" : ")[-1][:300] if lines else type(exc).__name__
         raise OnnxpipeError(f"{origin}: onnxruntime-training could not build the gradient graph: {first}; check the model's ops with `onnxpipe inspect`") from exc
 
 
