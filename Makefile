@@ -15,7 +15,7 @@ setup: $(STAMP)
 
 quickstart: $(STAMP)
 	$(BIN)/onnxpipe models build gpt2-tiny -o build/gpt2-tiny.onnx
-	$(BIN)/onnxpipe split build/gpt2-tiny.onnx --target fpga4 -o build/gpt2-tiny-stages --force
+	$(BIN)/onnxpipe split build/gpt2-tiny.onnx --target fpga4 --stages 4 -o build/gpt2-tiny-stages --force
 	$(BIN)/onnxpipe verify build/gpt2-tiny-stages build/gpt2-tiny.onnx
 
 test: $(STAMP)

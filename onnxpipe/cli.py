@@ -290,6 +290,7 @@ def split(
         table.add_row(str(s.index), escape(", ".join(s.devices)), str(s.nodes), format_bytes(s.parameter_bytes), str(len(s.inputs)),
                       str(len(s.outputs)), format_bytes(s.file_bytes))
     console.print(table)
+    _print_plan_quality(plan)
     if manifest.shared:
         console.print(f"shared initializers (copied into several stages): {escape(', '.join(s.name for s in manifest.shared))}", highlight=False)
     console.print(f"wrote {escape(out)}/ (stage_*.onnx, manifest.json, plan.json)", highlight=False)
@@ -345,6 +346,19 @@ def run(
 # --- plan --------------------------------------------------------------------
 
 
+def _print_plan_quality(plan: Any) -> None:
+    """Bottleneck, lower bound and solver status: how good a plan provably is."""
+    ms = 1e3
+    info = plan.solver
+    console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
+                  f"iteration {plan.iteration_seconds * ms:.3f} ms ({plan.batch} samples, {plan.microbatches} micro-batches, {plan.schedule})",
+                  highlight=False)
+    console.print(f"lower bound: {plan.lower_bound_seconds * ms:.3f} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
+                  highlight=False)
+    console.print(f"solver: {info.status}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, {info.blocks} blocks "
+                  f"(coarsening may cost up to {info.coarsening_loss:.2%}), {info.solve_seconds:.2f} s", highlight=False)
+
+
 @app.command("plan")
 @friendly
 def plan_command(
@@ -392,13 +406,7 @@ def plan_command(
                       f"{(s.comm_in_seconds + s.comm_out_seconds) * ms:.3f}", format_bytes(mem.parameters + mem.gradients + mem.optimizer),
                       format_bytes(mem.activations), f"{format_bytes(mem.total)} / {format_bytes(mem.capacity)}", "yes" if s.recompute else "no")
     console.print(table)
-    info = plan.solver
-    console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
-                  f"iteration {plan.iteration_seconds * ms:.3f} ms", highlight=False)
-    console.print(f"lower bound: {plan.lower_bound_seconds * ms:.3f} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
-                  highlight=False)
-    console.print(f"solver: {info.status}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, {info.blocks} blocks "
-                  f"(coarsening may cost up to {info.coarsening_loss:.2%}), {info.solve_seconds:.2f} s", highlight=False)
+    _print_plan_quality(plan)
     if plan.explored:
         best = [c for c in plan.explored if c.feasible][:5]
         console.print("explored: " + "; ".join(f"{c.schedule} m={c.microbatches} k={c.stages} r={c.replicas}: {c.iteration_seconds * ms:.2f} ms"
