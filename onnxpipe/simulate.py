@@ -14,10 +14,11 @@ on one host) the sending process does the copying, so it is blocked until its tr
 other links move data in the background (DMA).
 A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
 of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
-parameters, gradients and optimizer state at the device's memory bandwidth).
+parameters, gradients and optimizer state at the device's memory bandwidth). The iteration ends the
+devices' `step_overhead` after the last STEP (the driver's share of a step: posting, starting, collecting).
 
 Definitions shared with the executor's measurements:
-- `iteration_seconds`: from the first action to the end of the last STEP.
+- `iteration_seconds`: from the first action to the end of the last STEP, plus the step overhead.
 - `busy_seconds[s]`: seconds stage s spends computing: F, B and the optimizer step (not
   transfers, not all-reduce). Replicas of a stage run in lockstep, so one number per stage.
 - `bubble_fraction = 1 - sum(busy_seconds) / (k * iteration_seconds)`, k = number of stages.
@@ -142,7 +143,7 @@ def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microba
     busy = tuple(
         sum(e.end - e.start for e in events if e.stage == s and e.kind in _COMPUTE) for s in range(len(plan.stages))
     )
-    iteration = end
+    iteration = end + max(target.device(d).step_overhead for stage in plan.stages for d in stage.devices)
     bubble = 1.0 - sum(busy) / (len(plan.stages) * iteration) if iteration > 0 else 0.0
     return Simulation(
         schedule=name,

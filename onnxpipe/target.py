@@ -58,6 +58,9 @@ class Device:
     #: Fixed seconds per forward or backward action of a stage, beyond its nodes (a runtime call: feeding
     #: the weights, allocating the outputs, the executor's bookkeeping); 0 when not measured.
     action_overhead: float = 0.0
+    #: Fixed seconds per training step outside the schedule's actions (the driver posting the
+    #: micro-batches, starting the step and collecting its results); 0 when not measured.
+    step_overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ _EXAMPLES = {
     "op_overhead": 'op_overhead = "5 us"',
     "threads": "threads = 1",
     "action_overhead": 'action_overhead = "30 us"',
+    "step_overhead": 'step_overhead = "200 us"',
     "efficiency": "efficiency = { default = 0.5 }",
     "default": "default = 0.5",
     "between": 'between = ["u280", "u280"]',
@@ -234,7 +238,7 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:
     """The group name, its count, and the Device fields shared by its instances."""
     required = ("name", "kind", "count", "memory", "memory_bandwidth", "peak_flops", "op_overhead", "efficiency")
-    _ensure_keys(table, required, ("threads", "action_overhead"), origin, path)
+    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead"), origin, path)
     group = _ensure_str(table, "name", origin, path)
     if not _GROUP_NAME.match(group):
         _fail(origin, f"{path}.name", f"bad group name {group!r}; use letters, digits and '-', starting with a letter")
@@ -257,7 +261,7 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
         "efficiency": {k: _ensure_fraction(efficiency, k, origin, f"{path}.efficiency") for k in efficiency},
         "op_overhead": _ensure_quantity(table, "op_overhead", "time", origin, path, allow_zero=True),
         "threads": threads,
-        "action_overhead": _ensure_quantity(table, "action_overhead", "time", origin, path, allow_zero=True) if "action_overhead" in table else 0.0,
+        **{key: _ensure_quantity(table, key, "time", origin, path, allow_zero=True) for key in ("action_overhead", "step_overhead") if key in table},
     }
     return group, count, fields
 

@@ -251,7 +251,7 @@ def test_cli_simulate_and_report(tmp_path) -> None:
     assert bad.returncode == 2 and "no such plan file" in bad.stderr
 
 
-def test_action_overhead_is_added_to_every_forward_and_backward() -> None:
+def test_action_overhead_per_forward_and_backward_and_step_overhead_per_iteration() -> None:
     # 2 stages, 1 micro-batch, 1 GB hops of 1.5 s: F0, hop, F1, B1, hop, B0, each compute action 0.25 s longer.
     target = make_target(2, bandwidth=1e9, latency=0.5)
     target = replace(target, devices=tuple(replace(d, action_overhead=0.25) for d in target.devices))
@@ -261,3 +261,8 @@ def test_action_overhead_is_added_to_every_forward_and_backward() -> None:
     # Per action, not per second of work: halving the micro-batch size halves the compute, not the overhead.
     sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.0, backward=1.0), target, microbatches=4)
     assert {round(e.end - e.start, 9) for e in sim.events if e.kind in ("F", "B")} == {0.75}
+    # The step overhead comes once per iteration, after the last STEP.
+    target = replace(target, devices=tuple(replace(d, step_overhead=0.5) for d in target.devices))
+    sim = simulate(make_plan(2, 1, forward=1.0, backward=1.0, comm_bytes=1e9), target)
+    assert sim.iteration_seconds == pytest.approx(7.0 + 4 * 0.25 + 0.5)
+    assert max(e.end for e in sim.events) == pytest.approx(7.0 + 4 * 0.25)

@@ -147,6 +147,7 @@ BAD = [
     ("count = 2", "count = 2.5", r"devices\[0\]\.count: expected a positive whole number"),
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "-3 us"', r"devices\[0\]\.action_overhead: must be zero or more"),
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "3 GB"', r"devices\[0\]\.action_overhead: "),
+    ('op_overhead = "5 us"', 'op_overhead = "5 us"\nstep_overhead = "-1 ms"', r"devices\[0\]\.step_overhead: must be zero or more"),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
 
@@ -169,9 +170,10 @@ def test_cpu_devices_need_threads(tmp_path: Path) -> None:
     assert load_target(write(tmp_path, text.replace("op_overhead = 0", "op_overhead = 0\nthreads = 1"))).device("f_0").threads == 1
 
 
-def test_action_overhead_is_optional_seconds(tmp_path: Path) -> None:
-    target = load_target(write(tmp_path, GOOD.replace('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "40 us"', 1)))
+def test_action_and_step_overheads_are_optional_seconds(tmp_path: Path) -> None:
+    target = load_target(write(tmp_path, GOOD.replace('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "40 us"\nstep_overhead = "0.3 ms"', 1)))
     assert [d.action_overhead for d in target.devices] == pytest.approx([40e-6, 40e-6, 0.0])
+    assert [d.step_overhead for d in target.devices] == pytest.approx([3e-4, 3e-4, 0.0])
 
 
 def test_unknown_name_and_missing_file(tmp_path: Path) -> None:
