@@ -1,7 +1,7 @@
 """The command line as a user meets it: every command in a fresh `python -m onnxpipe` process, its
 `--help`, and a happy path on a tiny zoo model with the key lines of its output checked.
 
-The happy paths run in order on one module-wide directory (build -> annotate -> plan -> split ->
+The happy paths run in order on one module-wide directory (build -> annotate -> inspect -> plan -> split ->
 verify -> run -> simulate -> report; train on its own training model)."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def ok(*argv: str, cwd: Path) -> str:
 
 
 HELP = {
-    (): ["--debug", "annotate", "split", "verify", "run", "plan", "train", "simulate", "report", "models", "targets"],
+    (): ["--debug", "annotate", "split", "verify", "run", "plan", "train", "simulate", "report", "inspect", "models", "targets"],
+    ("inspect",): ["--nodes", "--dim"],
     ("models",): ["build"],
     ("models", "build"): ["--output", "--set", "--train"],
     ("targets",): ["show"],
@@ -65,7 +66,7 @@ def test_no_command_shows_usage(tmp_path: Path) -> None:
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model built by the CLI itself, shared by the happy paths."""
     root = tmp_path_factory.mktemp("cli")
-    out = ok("models", "build", "mlp", "-o", "mlp.onnx", "--set", "layers=3", cwd=root)
+    out = ok("models", "build", "mlp", "-o", "mlp.onnx", "--set", "layers=3", cwd=root)  # 7 compute nodes: 4 Gemm, 3 Relu
     assert re.search(r"wrote mlp\.onnx \(mlp, \d+ nodes, [\d.]+ MiB\)", out)
     return root
 
@@ -90,6 +91,11 @@ def test_annotate(work: Path) -> None:
     assert "wrote mlp.annotated.onnx" in out and "wrote costs.json" in out
     data = json.loads((work / "costs.json").read_text())
     assert data["totals"]["flops"] > 0
+
+
+def test_inspect(work: Path) -> None:
+    out = ok("inspect", "mlp.onnx", "--nodes", cwd=work)
+    assert "mlp.onnx: 7 compute nodes" in out and "op types: Gemm x4, Relu x3" in out and "fc0/Gemm" in out
 
 
 def test_plan(work: Path) -> None:
