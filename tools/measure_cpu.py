@@ -1,6 +1,8 @@
 """Measure this machine for the cpu targets (targets/cpu2.toml, cpu4.toml): one-thread GEMM rate,
-one-thread memory read bandwidth, shared-memory hand-off time between two processes, and
-onnxruntime's per-node dispatch cost.
+one-thread memory read bandwidth, shared-memory hand-off time between two processes (raw, and
+through the executor's own `ShmTransport`), onnxruntime's per-node dispatch cost, and the fixed cost
+of one forward and one backward action of the executor's `StageRunner` alone and inside two worker
+processes (`action_overhead`), and the driver's share of a step (`step_overhead`).
 
 Run: .venv/bin/python tools/measure_cpu.py
 """
@@ -20,6 +22,10 @@ from multiprocessing.connection import Connection
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from onnxpipe.train.prepare import TrainConfig, prepare_single
+from onnxpipe.train.stage import StageRunner
+from onnxpipe.train.transport import ShmTransport, sweep_segments
 
 SHM_SIZES = (4096, 256 * 1024, 2**20, 4 * 2**20, 16 * 2**20)
 
@@ -100,12 +106,104 @@ def ort_node_seconds(k: int = 200) -> float:
     return (_median_seconds(lambda: many.run(None, x), 200) - _median_seconds(lambda: one.run(None, x), 200)) / k
 
 
+def action_seconds(repeat: int = 400) -> tuple[float, float]:
+    """Median wall seconds of a forward and of a backward action of a one-node stage (a 4x4 MatMul and
+    its loss): its kernels take about a microsecond, so this is the fixed cost every action pays."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)]
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.ones(16, np.float32))
+    graph = helper.make_graph(nodes, "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    runner = StageRunner(prepare_single(model, TrainConfig(microbatches=1), "loss"))
+    feeds = {"x": np.ones((1, 4), np.float32)}
+    forward, backward = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        runner.forward(0, feeds)
+        middle = time.perf_counter()
+        runner.backward(0, {})
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def _transport_echo(prefix: str, inboxes: list, sizes: tuple[int, ...], repeat: int) -> None:
+    transport = ShmTransport(prefix, inboxes, 1)
+    for n in sizes:
+        for i in range(repeat):
+            transport.send(0, f"back{n}", 0, transport.recv(f"there{n}", 0))
+    transport.recv("stop", 0)
+    transport.close()
+
+
+def transport_handoff_seconds(repeat: int = 200) -> dict[int, float]:
+    """One hand-off through the executor's ShmTransport (copy in, queue message, copy out): half a round trip."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    prefix = f"onnxpipe_measure_{os.getpid()}_"
+    inboxes = [ctx.Queue(), ctx.Queue()]
+    echo = ctx.Process(target=_transport_echo, args=(prefix, inboxes, SHM_SIZES, repeat))
+    echo.start()
+    transport = ShmTransport(prefix, inboxes, 0)
+    out = {}
+    try:
+        for n in SHM_SIZES:
+            data = np.ones(n, np.uint8)
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                transport.send(1, f"there{n}", 0, data)
+                transport.recv(f"back{n}", 0)
+                times.append((time.perf_counter() - start) / 2)
+            out[n] = statistics.median(times[repeat // 10:])
+        transport.send(1, "stop", 0, np.zeros(1, np.uint8))
+        echo.join()
+    finally:
+        transport.close()
+        sweep_segments(prefix)
+    return out
+
+
+def pipeline_overheads(steps: int = 40) -> tuple[float, float]:
+    """(action, step) overheads inside the executor: two worker processes train a one-layer, width-8
+    perceptron (kernels of a microsecond or two) on 4 micro-batches. Action: median F/B duration.
+    Step: median of the step's wall time (driver) minus the span of its actions (workers)."""
+    from onnxpipe import models
+    from onnxpipe.train.fit import data_source
+    from onnxpipe.train.optimizer import OptimizerConfig
+    from onnxpipe.train.pipeline import Pipeline
+
+    model = models.build("mlp", train=True, layers=1, width=8, in_features=8, classes=4)
+    actions, outside = [], []
+    with Pipeline(model, "cpu2", stages=2, microbatches=4, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01)) as pipe:
+        source = data_source(pipe, "synthetic")
+        for step in range(steps):
+            start = time.perf_counter()
+            pipe.train_step(source.batch(step))
+            wall = time.perf_counter() - start
+            if step < 2:
+                continue
+            events = pipe.last_events
+            actions += [e.end - e.start for e in events if e.kind in ("F", "B")]
+            outside.append(wall - (max(e.end for e in events) - min(e.start for e in events)))
+    return statistics.median(actions), statistics.median(outside)
+
+
 def main() -> None:
     print(f"float32 GEMM, 1 thread: {gemm_flops() / 1e9:.1f} GFLOP/s")
     print(f"memory read, 1 thread: {read_bandwidth() / 1e9:.1f} GB/s")
     for n, seconds in shm_handoff_seconds().items():
         print(f"shared-memory hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
     print(f"onnxruntime dispatch per node: {ort_node_seconds() * 1e6:.2f} us")
+    for n, seconds in transport_handoff_seconds().items():
+        print(f"ShmTransport hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
+    forward, backward = action_seconds()
+    print(f"StageRunner action of a one-node stage: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us (action_overhead)")
+    action, step = pipeline_overheads()
+    print(f"executor, 2 workers, 1-layer width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions {step * 1e6:.1f} us (step_overhead)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
