@@ -8,6 +8,7 @@ Reading order: `solve` -> `_choose` -> `_ensure_some_fit`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -69,6 +70,7 @@ def solve(
         replicas=replicas,
         hint=hint,
         floor_seconds=bound.seconds,
+        ceiling_seconds=found[0].bottleneck_seconds if found else math.inf,
         time_limit=remaining,
         progress=lambda value, best: report(f"CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms"),
     )
