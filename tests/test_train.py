@@ -261,6 +261,27 @@ def test_worker_error_names_stage_microbatch_and_phase() -> None:
     assert not _alive(pids) and not _segments(prefix)
 
 
+def test_root_cause_beats_its_consequences_that_arrive_first() -> None:
+    import queue
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from onnxpipe.train.executor import ProcessPipeline, _Failure
+
+    results: queue.Queue = queue.Queue()
+    fake = SimpleNamespace(_results=results, _dead=lambda skip: [])
+    t = time.monotonic()
+    consequence = _Failure(1, ("RECV_F", 1), "PeerGone: the sender of 'h' (micro-batch 1) is gone", t + 0.01, True)
+    # The root cause failed first but its report is late: it still wins.
+    threading.Timer(0.1, lambda: results.put(("error", 0, "F", 2, "InvalidArgument: bad index", "tb", t, False))).start()
+    root = ProcessPipeline._root_cause(fake, [consequence])  # type: ignore[arg-type]
+    assert (root.stage, root.where, root.secondary) == (0, ("F", 2), False)
+    # Among primary failures, the earliest wins whatever the arrival order.
+    results.put(("error", 2, "B", 0, "later", "tb", t + 0.5, False))
+    assert ProcessPipeline._root_cause(fake, [_Failure(3, None, "exited with code -9", t + 1.0)]).stage == 2  # type: ignore[arg-type]
+
+
 # --- checkpoints, the Pipeline API and the command line ---------------------------------------
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:

@@ -2,7 +2,11 @@
 micro-batches and collecting losses and measurements.
 
 Reading order: `StepStats` -> `ProcessPipeline` (start, train_step, evaluate, state, close)
--> `_wait` (results, dead workers, errors) -> `_fail`.
+-> `_wait` (results, dead workers, errors) -> `_root_cause` -> `_fail`.
+
+One failure brings down its neighbours (a stage reading from a sender that cleaned up fails too),
+so the driver does not report the first error it hears: it listens a little longer and names the
+earliest failure that was not a consequence of another (`_Failure.secondary`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ PHASES = {"F": "forward", "B": "backward", "STEP": "optimizer step", "RECV_F": "
           "RECV_B": "receiving gradients", "SEND_B": "sending gradients", "setup": "setup", "evaluate": "evaluate", "idle": "idle"}
 #: Seconds a worker gets to build its sessions.
 _START_TIMEOUT = 300.0
+#: Seconds the driver keeps listening after a failure for earlier ones (reports cross in the queue).
+_GRACE = 0.3
+#: Longest it waits for a root cause when only consequences of one have arrived.
+_ROOT_WAIT = 3.0
+
+
+@dataclass(frozen=True)
+class _Failure:
+    stage: int
+    #: (op, micro-batch) when the worker said where; None: read the shared `current` marks.
+    where: tuple[str, int] | None
+    error: str
+    #: time.monotonic() of the failure (of its detection for a dead worker).
+    at: float
+    #: Caused by another stage's failure (its shared memory vanished).
+    secondary: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,14 +192,15 @@ class ProcessPipeline:
                 try:
                     msg = self._results.get(timeout=0.2)
                 except queue_mod.Empty:
-                    for spec, proc in zip(self.specs, self._procs):
-                        if not proc.is_alive() and spec.index not in got:
-                            self._fail(spec.index, None, f"worker exited with code {proc.exitcode}")
+                    dead = self._dead(set(got))
+                    if dead:
+                        self._fail(self._root_cause(dead))
                     if deadline is not None and time.monotonic() > deadline:
-                        self._fail(min(set(range(len(self.specs))) - set(got)), None, f"no answer within {timeout:.0f} s")
+                        stage = min(set(range(len(self.specs))) - set(got))
+                        self._fail(_Failure(stage, None, f"no answer within {timeout:.0f} s", time.monotonic()))
                     continue
                 if msg[0] == "error":
-                    self._fail(msg[1], (msg[2], msg[3]), msg[4])
+                    self._fail(self._root_cause([_reported(msg)]))
                 if msg[0] == kind:
                     got[msg[1]] = msg
         except KeyboardInterrupt:
@@ -187,11 +208,43 @@ class ProcessPipeline:
             raise
         return [got[s.index] for s in self.specs]
 
-    def _fail(self, stage: int, where: tuple[str, int] | None, error: str) -> None:
+    def _dead(self, skip: set[int]) -> list[_Failure]:
+        """Workers that exited abnormally (a worker that reported an error exits with 0)."""
+        now = time.monotonic()
+        return [_Failure(spec.index, None, f"worker exited with code {proc.exitcode}", now)
+                for spec, proc in zip(self.specs, self._procs)
+                if spec.index not in skip and not proc.is_alive() and proc.exitcode != 0]
+
+    def _root_cause(self, failures: list[_Failure]) -> _Failure:
+        """Listen `_GRACE` s more (up to `_ROOT_WAIT` s while only consequences arrived); the earliest primary failure wins."""
+        start = time.monotonic()
+        found = {f.stage: f for f in failures}
+        while True:
+            waited = time.monotonic() - start
+            primary = any(not f.secondary for f in found.values())
+            if waited >= (_GRACE if primary else _ROOT_WAIT):
+                break
+            try:
+                msg = self._results.get(timeout=0.05)
+            except queue_mod.Empty:
+                for f in self._dead(set(found)):
+                    found[f.stage] = f
+                continue
+            if msg[0] == "error":
+                found[msg[1]] = _reported(msg)  # a worker's own report beats its exit code
+        return min(found.values(), key=lambda f: (f.secondary, f.at, f.stage))
+
+    def _fail(self, failure: _Failure) -> None:
+        where = failure.where
         if where is None:
-            op = OPS[self._current[2 * stage]] if 0 <= self._current[2 * stage] < len(OPS) else "?"
-            where = (op, self._current[2 * stage + 1])
+            code = self._current[2 * failure.stage]
+            where = (OPS[code] if 0 <= code < len(OPS) else "?", self._current[2 * failure.stage + 1])
         op, mb = where
         self.close(force=True)
         at = f" at micro-batch {mb}" if op not in ("setup", "idle", "STEP", "?") and mb >= 0 else ""
-        raise OnnxpipeError(f"stage {stage} failed{at} ({PHASES.get(op, op)}): {error}")
+        raise OnnxpipeError(f"stage {failure.stage} failed{at} ({PHASES.get(op, op)}): {failure.error}")
+
+
+def _reported(msg: tuple) -> _Failure:
+    """A worker's ("error", stage, op, micro-batch, detail, traceback, monotonic time, secondary) report."""
+    return _Failure(msg[1], (msg[2], msg[3]), msg[4], msg[6], msg[7])

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Transport", "LocalTransport", "ShmTransport", "grad_key", "shared_key", "sweep_segments"]
+__all__ = ["Transport", "LocalTransport", "ShmTransport", "PeerGone", "grad_key", "shared_key", "sweep_segments"]
 
 
 def grad_key(tensor: str, sender: int) -> str:
@@ -28,6 +28,11 @@ def grad_key(tensor: str, sender: int) -> str:
 def shared_key(param: str, sender: int) -> str:
     """Key of a tied parameter's accumulated gradient sent by stage `sender`."""
     return f"shared:{sender}:{param}"
+
+
+class PeerGone(RuntimeError):
+    """A message's shared memory vanished: its sender failed and cleaned up. A consequence of another
+    stage's failure, never the root cause."""
 
 
 class Transport(Protocol):
@@ -87,7 +92,10 @@ class ShmTransport:
         name, shape, dtype = self._arrived.pop((key, microbatch))
         seg = self._attached.get(name)
         if seg is None:
-            seg = self._attached[name] = _untracked(shared_memory.SharedMemory(name=name))
+            try:
+                seg = self._attached[name] = _untracked(shared_memory.SharedMemory(name=name))
+            except FileNotFoundError as exc:
+                raise PeerGone(f"the sender of {key!r} (micro-batch {microbatch}) is gone") from exc
         out = np.ndarray(shape, np.dtype(dtype), buffer=seg.buf).copy()
         self.copy_seconds += time.perf_counter() - start
         return out

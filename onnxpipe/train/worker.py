@@ -1,7 +1,9 @@
 """The body of one stage's worker process: build the runner, then serve the driver's commands.
 
 Commands (driver -> worker queue): ("step",), ("evaluate", n), ("get",), ("set", params, state), ("stop",).
-Replies (one shared results queue): ("ready"|"done"|"outputs"|"state"|"error", stage, ...).
+Replies (one shared results queue): ("ready"|"done"|"outputs"|"state"|"error", stage, ...). An error
+carries `time.monotonic()` of the failure (system-wide on Linux) and whether it is a consequence of
+another stage's failure (`PeerGone`), so the driver can name the root cause.
 `current` (shared ints: op code, micro-batch) tells the driver where a worker was if it dies.
 """
 
@@ -9,11 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from typing import Any
 
 from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec
-from onnxpipe.train.transport import ShmTransport
+from onnxpipe.train.transport import PeerGone, ShmTransport
 
 __all__ = ["worker_main", "OPS", "peak_rss_bytes"]
 
@@ -79,8 +82,10 @@ def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, pref
     except SystemExit:
         pass
     except BaseException as exc:  # report anything, then exit: the driver turns it into one line
+        failed_at = time.monotonic()
         op, mb = current[mark[0]], current[mark[1]]
         detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        results.put(("error", me, OPS[op] if 0 <= op < len(OPS) else "?", mb, detail, traceback.format_exc()))
+        results.put(("error", me, OPS[op] if 0 <= op < len(OPS) else "?", mb, detail, traceback.format_exc(),
+                     failed_at, isinstance(exc, PeerGone)))
     finally:
         transport.close()
