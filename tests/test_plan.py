@@ -319,3 +319,13 @@ def test_cli_plan_prints_stages_bound_and_baselines(tmp_path) -> None:  # type: 
         assert line in result.stdout
     saved = Plan.read(out)
     assert len(saved.stages) == 2 and saved.bottleneck_seconds >= saved.lower_bound_seconds
+
+
+def test_importing_the_planner_leaves_cp_sat_and_pandas_unloaded() -> None:
+    # split --plan/--cuts, simulate and train DIR import the planner but never solve: they must not pay for CP-SAT.
+    code = (
+        "import sys, onnxpipe, onnxpipe.cli, onnxpipe.plan, onnxpipe.split, onnxpipe.simulate, onnxpipe.train; "
+        "print(sorted(m for m in ('ortools.sat.python.cp_model', 'pandas') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -17,14 +17,17 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.dp import allreduce_affine
 from onnxpipe.plan.layout import Layout
 from onnxpipe.plan.problem import Problem, in_flight
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 __all__ = ["CpResult", "solve_cpsat"]
 
@@ -60,13 +63,15 @@ def solve_cpsat(
 ) -> CpResult:
     """Minimise the bottleneck seconds per micro-batch. `floor_seconds` is a known valid lower bound;
     `ceiling_seconds` the bottleneck of a plan on these blocks (the hint's), which bounds the search."""
+    from ortools.sat.python import cp_model  # here, not at import: it loads pandas (~0.5 s) that split, simulate and train never need
+
     model = _Model(problem, blocks, stages, recompute, replicas, floor_seconds, ceiling_seconds)
     if hint is not None:
         model.hint(hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, time_limit)
     solver.parameters.num_workers = workers or _default_workers()
-    callback = _Progress(progress) if progress else None
+    callback = _progress(cp_model, progress) if progress else None
     status = solver.Solve(model.cp, callback) if callback else solver.Solve(model.cp)
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -81,17 +86,20 @@ def _default_workers() -> int:
     return 1 if cores <= 2 else cores
 
 
-class _Progress(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: Callable[[float, float], None]) -> None:
-        super().__init__()
-        self._report = report
+def _progress(cp_model, report: Callable[[float, float], None]):  # type: ignore[no-untyped-def]
+    """A solution callback reporting (objective, bound) seconds."""
 
-    def on_solution_callback(self) -> None:
-        self._report(self.ObjectiveValue() / _NS, self.BestObjectiveBound() / _NS)
+    class Progress(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            report(self.ObjectiveValue() / _NS, self.BestObjectiveBound() / _NS)
+
+    return Progress()
 
 
 class _Model:
     def __init__(self, problem: Problem, blocks: Blocks, stages: int, recompute: str, replicas: bool, floor: float, ceiling: float) -> None:
+        from ortools.sat.python import cp_model
+
         self.problem, self.blocks, self.k = problem, blocks, stages
         cp = self.cp = cp_model.CpModel()
         nb, k = blocks.count, stages
@@ -293,5 +301,7 @@ def _ceil(value: float) -> int:
 
 
 def _dot(x: list[list[cp_model.IntVar]], s: int, weights: np.ndarray, rounding: Callable[[float], int]) -> cp_model.LinearExpr:
+    from ortools.sat.python import cp_model
+
     coefficients = [rounding(w - 1e-9) for w in weights]
     return cp_model.LinearExpr.WeightedSum([x[b][s] for b in range(len(x)) if coefficients[b]], [c for c in coefficients if c])
