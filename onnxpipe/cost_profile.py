@@ -10,14 +10,12 @@ Trace durations are whole microseconds: a kernel faster than that counts as half
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sys
 import statistics
 import tempfile
 from bisect import bisect_right
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -25,8 +23,9 @@ from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
+from onnxpipe.ortutil import quiet_stderr
 
-__all__ = ["profile_times", "quiet_stderr"]
+__all__ = ["profile_times"]
 
 _RESOLUTION_FLOOR = 0.5e-6
 _GRAD_MARK = "_Grad/"
@@ -140,20 +139,6 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
         return onnx.load_from_string(builder.get_model())
     except Exception:  # ops without gradients: fall back to the FLOP ratio
         return None
-
-
-@contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """Silence native stderr: the gradient builder logs every pass at info level whatever the logger settings."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _append_sum_loss(g: onnx.GraphProto, outputs: list[str]) -> str:

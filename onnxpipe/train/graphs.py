@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.ortutil import quiet_logger, quiet_stderr
 from onnxpipe.graph import is_weight
 
 __all__ = [
@@ -234,12 +235,9 @@ def ensure_trainable(model: onnx.ModelProto, trained: set[str], origin: str) -> 
 
 
 def _gradient_model(model: onnx.ModelProto, trained: set[str], origin: str) -> onnx.ModelProto:
-    import onnxruntime
     from onnxruntime.capi._pybind_state import GradientGraphBuilder
 
-    from onnxpipe.cost_profile import quiet_stderr
-
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logger()
     try:
         with quiet_stderr():  # the builder logs every pass at info level whatever the severity
             builder = GradientGraphBuilder(model.SerializeToString(), {TOTAL_LOSS}, trained, TOTAL_LOSS)
