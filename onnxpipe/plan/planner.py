@@ -4,6 +4,7 @@ a target name -> graph, costs, target, plan), shared by the CLI, split and train
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping
 
@@ -117,13 +118,13 @@ def _fastest_stage_count(
     the plan of least iteration time at that count: no baseline, at any stage count, is predicted faster."""
     if progress:
         progress("pricing every stage count")
-    options = dict(recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
+    solve_at = functools.partial(solve, problem, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
     found = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas)
     priced = [p for plans in found.values() for p in plans]
     if not priced:  # nothing fits as an interval: CP-SAT may still find a plan, else it names the fix
-        return solve(problem, min(devices, problem.n), **options)  # type: ignore[arg-type]
+        return solve_at(min(devices, problem.n))
     k = len(min(priced, key=lambda p: p.iteration_seconds).stages)
-    best = solve(problem, k, also=found[k], by_iteration=True, **options)  # type: ignore[arg-type]
+    best = solve_at(k, also=found[k], by_iteration=True)
     tried = sorted((candidate(min(plans, key=lambda p: p.iteration_seconds)) for plans in found.values() if plans), key=lambda c: c.iteration_seconds)
     return dataclasses.replace(best, explored=tuple(tried))
 
