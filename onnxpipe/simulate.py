@@ -2,7 +2,8 @@
 
 Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public entry) ->
 `_stage_costs` (what one stage costs per micro-batch under the chosen micro-batch count) ->
-`_run` (the event loop over the lowered action table, with `_Links` sharing link bandwidth).
+`_run` (the event loop over the lowered action table, with `_Links` sharing link bandwidth and
+`_Cores` sharing a host's cores).
 
 Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
 order on its device(s). F and B take the plan's per-micro-batch seconds (a recomputing stage's
@@ -11,7 +12,8 @@ SEND starts a transfer and does not block the sender; RECV blocks until the matc
 arrived. Every directed device pair is one physical link channel: transfers in flight on it share
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
-other links move data in the background (DMA).
+other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
+devices share that many cores: n processes computing at once each run at min(1, cores / n) speed.
 A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
 of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth). The iteration ends the
@@ -125,12 +127,16 @@ class _StageCost:
     step: float
 
 
-def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microbatches: int | None = None) -> Simulation:
+def simulate(
+    plan: Plan, target: Target, *, schedule: str | None = None, microbatches: int | None = None, background: float = 0.0
+) -> Simulation:
     """Simulate one training iteration of `plan` on `target`.
 
     `schedule` and `microbatches` override the plan's; the global batch stays the same, so
     per-micro-batch times, transfers and stashes scale linearly with the micro-batch size, and
-    the number of micro-batches in flight is re-derived from the new table.
+    the number of micro-batches in flight is re-derived from the new table. `background`: runnable
+    processes of other work competing for a target's shared `cores` (a measured run queue), 0 on a
+    quiet machine.
     """
     name = schedule or plan.schedule
     m = microbatches or plan.microbatches
@@ -139,7 +145,7 @@ def simulate(plan: Plan, target: Target, *, schedule: str | None = None, microba
     _ensure_devices(plan, target)
     table = sched.build(name, len(plan.stages), m)
     costs = tuple(_stage_cost(plan, stage, target, m) for stage in plan.stages)
-    events, memory, end = _run(plan, target, table, costs)
+    events, memory, end = _run(plan, target, table, costs, background)
     busy = tuple(
         sum(e.end - e.start for e in events if e.stage == s and e.kind in _COMPUTE) for s in range(len(plan.stages))
     )
@@ -268,6 +274,40 @@ class _Links:
         return arrived
 
 
+class _Cores:
+    """F and B in progress on cpu stages that share the target's cores: each process computes at
+    min(1, cores / (processes computing + background)) of its own speed (processor sharing, like `_Links`)."""
+
+    def __init__(self, plan: Plan, target: Target, background: float) -> None:
+        self.cores = target.cores
+        self.background = background
+        self.shared = tuple(target.cores > 0 and all(target.device(d).kind == "cpu" for d in st.devices) for st in plan.stages)
+        self._processes = tuple(len(st.devices) for st in plan.stages)
+        #: stage -> [seconds of work left at full speed, what to report when done].
+        self.active: dict[int, list[Any]] = {}
+
+    def start(self, stage: int, work: float, key: Any) -> None:
+        self.active[stage] = [work, key]
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / (sum(self._processes[s] for s in self.active) + self.background))
+
+    def next_time(self, now: float) -> float:
+        if not self.active:
+            return math.inf
+        return now + min(w for w, _ in self.active.values()) / self._rate()
+
+    def advance(self, now: float, later: float) -> list[tuple[int, Any]]:
+        """Do the work from now to later; return (stage, key) of the actions finished by `later`."""
+        if not self.active:
+            return []
+        rate = self._rate()
+        done = [s for s, (w, _) in self.active.items() if now + w / rate <= later]
+        for job in self.active.values():
+            job[0] -= (later - now) * rate
+        return [(s, self.active.pop(s)[1]) for s in done]
+
+
 def _shards(src: tuple[str, ...], dst: tuple[str, ...]) -> list[tuple[str, str, float]]:
     """(src device, dst device, fraction) pairs moving one micro-batch between two (replicated) stages."""
     n = max(len(src), len(dst))
@@ -275,7 +315,7 @@ def _shards(src: tuple[str, ...], dst: tuple[str, ...]) -> list[tuple[str, str, 
 
 
 def _run(
-    plan: Plan, target: Target, table: sched.Table, costs: tuple[_StageCost, ...]
+    plan: Plan, target: Target, table: sched.Table, costs: tuple[_StageCost, ...], background: float
 ) -> tuple[tuple[Event, ...], tuple[tuple[tuple[float, float], ...], ...], float]:
     """The event loop: advance every stage as far as it can at `now`, then jump to the next event."""
     lowered = sched.add_communication(table)
@@ -292,11 +332,18 @@ def _run(
     live = [_static_bytes(s) for s in plan.stages]
     memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in live]
     links = _Links(target)
+    cores = _Cores(plan, target, background)
     now = 0.0
 
     def mem(s: int, t: float, delta: float) -> None:
         live[s] += delta
         memory[s].append((t, live[s]))
+
+    def finish(s: int, op: str, mb: int, start: float, end: float) -> None:
+        free_at[s] = end
+        events.append(Event(s, op, mb, start, end))
+        if op == "B":
+            mem(s, end, -costs[s].stash - costs[s].during_backward)
 
     while True:
         progressed = True
@@ -324,15 +371,14 @@ def _run(
                             links.start(now, src, dst, nbytes * share, key)
                         if any(src != dst and target.link(src, dst).topology == "shm" for src, dst, _ in shards):
                             blocked_on[s] = key
-                    elif a.op == "F":
-                        mem(s, now, c.stash)
-                        free_at[s] = now + c.forward
-                        events.append(Event(s, "F", a.microbatch, now, free_at[s]))
-                    elif a.op == "B":
-                        mem(s, now, c.during_backward)
-                        free_at[s] = now + c.backward
-                        mem(s, free_at[s], -c.stash - c.during_backward)
-                        events.append(Event(s, "B", a.microbatch, now, free_at[s]))
+                    elif a.op in ("F", "B"):
+                        mem(s, now, c.stash if a.op == "F" else c.during_backward)
+                        work = c.forward if a.op == "F" else c.backward
+                        if cores.shared[s]:
+                            cores.start(s, work, (a.op, a.microbatch, now))
+                            free_at[s] = math.inf
+                        else:
+                            finish(s, a.op, a.microbatch, now, now + work)
                     else:  # STEP
                         if c.allreduce > 0:
                             events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce))
@@ -342,10 +388,12 @@ def _run(
                     progressed = True
         if all(cursor[s] == len(lowered[s]) for s in range(k)):
             break
-        later = min([t for t in free_at if t > now] + [links.next_time(now)])
+        later = min([t for t in free_at if t > now] + [links.next_time(now), cores.next_time(now)])
         if math.isinf(later):
             stuck = next(s for s in range(k) if cursor[s] < len(lowered[s]))
             raise OnnxpipeError(f"simulation stalled: stage {stuck} waits forever at {lowered[stuck][cursor[stuck]]}")
+        for s, (op, mb, start) in cores.advance(now, later):
+            finish(s, op, mb, start, later)
         for key in links.advance(now, later):
             pending[key] -= 1
             if pending[key] == 0:

@@ -89,6 +89,9 @@ class Target:
     profile: bool
     #: The file it was read from.
     source: str
+    #: Cores the cpu devices (worker processes on one host) share; when more of them compute at once,
+    #: each runs at cores / computing of its speed. 0: every device has its own.
+    cores: int = 0
 
     def device(self, name: str) -> Device:
         """The device of a given instance name."""
@@ -211,7 +214,7 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 
 
 def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
-    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links"), origin, "")
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores"), origin, "")
     name = _ensure_str(doc, "name", origin, "")
     description = _ensure_str(doc, "description", origin, "")
     profile = doc.get("profile", False)
@@ -232,7 +235,10 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
         _parse_link(table, origin, f"links[{i}]", counts) for i, table in enumerate(_ensure_table_list(doc, "links", origin))
     )
     _ensure_links(links, counts, origin)
-    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source)
+    cores = _ensure_int(doc, "cores", origin, "") if "cores" in doc else 0
+    if cores and not any(d.kind == "cpu" for d in devices):
+        _fail(origin, "cores", "only cpu devices share cores; remove it or add cpu devices")
+    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=cores)
 
 
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:

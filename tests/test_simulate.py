@@ -266,3 +266,21 @@ def test_action_overhead_per_forward_and_backward_and_step_overhead_per_iteratio
     sim = simulate(make_plan(2, 1, forward=1.0, backward=1.0, comm_bytes=1e9), target)
     assert sim.iteration_seconds == pytest.approx(7.0 + 4 * 0.25 + 0.5)
     assert max(e.end for e in sim.events) == pytest.approx(7.0 + 4 * 0.25)
+
+
+def test_cpu_stages_share_the_targets_cores() -> None:
+    # GPipe, 2 stages, 2 micro-batches, F 1 s, no backward, one core: stage 0's F1 and stage 1's F0 run at
+    # half speed from 1 s to 3 s, then stage 1's F1 alone until 4 s.
+    base = make_target(2)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1)
+    plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0)
+    sim = simulate(plan, cpus)
+    assert sim.iteration_seconds == pytest.approx(4.0)
+    forwards = sorted((e.stage, e.microbatch, e.start, e.end) for e in sim.events if e.kind == "F")
+    assert forwards == [(0, 0, 0.0, 1.0), (0, 1, 1.0, pytest.approx(3.0)), (1, 0, 1.0, pytest.approx(3.0)), (1, 1, pytest.approx(3.0), pytest.approx(4.0))]
+    # Two cores for two workers, or devices that do not share: no slowdown.
+    assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(3.0)
+    assert simulate(plan, replace(base, cores=1)).iteration_seconds == pytest.approx(3.0)
+    # One background process on two cores: a lone worker runs at full speed, two at 2/3.
+    sim = simulate(plan, replace(cpus, cores=2), background=1.0)
+    assert sim.iteration_seconds == pytest.approx(1.0 + 1.5 + 1.0)
