@@ -2,7 +2,7 @@
 
 Reading order: `StageGraphs` -> `build_stage_graphs` (public entry) -> preparation passes
 (`_complete_optional_outputs`, `_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
--> `ensure_trainable` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
+-> `ensure_trainable` -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
 
 The trick: the stage's loss is its real loss (when it holds the model's loss) plus, for every
 output a later stage reads, the surrogate sum(output * output_grad), where output_grad is a new
@@ -33,17 +33,24 @@ __all__ = [
     "grad_input_name",
     "grad_name",
     "UNTRAINABLE_OPS",
+    "REWRITTEN_OPS",
     "TOTAL_LOSS",
 ]
 
-#: Ops without a gradient builder in onnxruntime-training 1.19.2 (LSTM and BatchNormalization get one
-#: only after onnxruntime's own graph rewrites, which the stage files do not go through).
+#: Ops without a gradient builder in onnxruntime-training 1.19.2, before or after its rewrites.
 UNTRAINABLE_OPS = frozenset(
-    {"Einsum", "CumSum", "InstanceNormalization", "GroupNormalization", "GRU", "LSTM", "RNN", "BatchNormalization", "Loop", "If", "Scan"}
+    {"Einsum", "CumSum", "InstanceNormalization", "GroupNormalization", "GRU", "RNN", "Loop", "If", "Scan"}
 )
+#: Ops differentiable only after onnxruntime's pre-training rewrites (LSTM -> com.microsoft LSTMTraining,
+#: BatchNormalization -> BatchNormInternal in training mode): a stage holding one goes through `_pretraining_rewrite`.
+REWRITTEN_OPS = frozenset({"LSTM", "BatchNormalization"})
 #: Name of the stage's total (real + surrogate) loss output.
 TOTAL_LOSS = "onnxpipe/total_loss"
 _OPTIONAL_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
+#: Optional inputs written out (as "") up to this count: the LSTM gradient reads them by position.
+_OPTIONAL_INPUTS = {"LSTM": 7}
+#: Inputs of a node that are state, not weights: BatchNormalization's running mean and variance.
+_STATE_INPUTS = {"BatchNormalization": (3, 4)}
 
 
 def grad_input_name(output: str) -> str:
@@ -109,7 +116,8 @@ def build_stage_graphs(
     work = onnx.ModelProto()
     work.CopyFrom(model)
     inits = {t.name: t for t in work.graph.initializer}
-    params = tuple(p for p in dict.fromkeys(params) if p in inits and is_trainable_initializer(inits[p]))
+    state = {n.input[i] for n in work.graph.node for i in _STATE_INPUTS.get(n.op_type, ()) if i < len(n.input)}
+    params = tuple(p for p in dict.fromkeys(params) if p in inits and p not in state and is_trainable_initializer(inits[p]))
     grad_inputs, grad_outputs = tuple(grad_inputs), tuple(grad_outputs)
     data_inputs = tuple(i.name for i in work.graph.input if i.name not in inits)
     outputs = tuple(o.name for o in work.graph.output if o.name != loss)
@@ -127,6 +135,8 @@ def build_stage_graphs(
     if not (params or grad_inputs) or not (grad_outputs or loss):
         return forward_only()
     ensure_trainable(work, set(params) | set(grad_inputs), origin)
+    if any(n.op_type in REWRITTEN_OPS for n in work.graph.node):
+        work = _pretraining_rewrite(work, set(params) | set(grad_inputs), origin)
     _add_total_loss(work, loss, grad_outputs)
     grad_model = _gradient_model(work, set(params) | set(grad_inputs), origin)
     produced = {o for n in grad_model.graph.node for o in n.output}
@@ -155,8 +165,10 @@ def build_stage_graphs(
 
 
 def _complete_optional_outputs(graph: onnx.GraphProto) -> None:
-    """The gradient builder needs LayerNormalization's Mean/InvStdDev and SoftmaxCrossEntropyLoss's log_prob."""
+    """The gradient builder needs LayerNormalization's Mean/InvStdDev and SoftmaxCrossEntropyLoss's log_prob
+    (and LSTM's optional inputs spelled out)."""
     for i, node in enumerate(graph.node):
+        node.input.extend([""] * (_OPTIONAL_INPUTS.get(node.op_type, 0) - len(node.input)))
         want = _OPTIONAL_OUTPUTS.get(node.op_type, 0)
         for k in range(len(node.output), want):
             node.output.append(f"{node.name or node.op_type + str(i)}/onnxpipe_opt{k}")
@@ -230,8 +242,33 @@ def ensure_trainable(model: onnx.ModelProto, trained: set[str], origin: str) -> 
         raise OnnxpipeError(
             f"{origin}: onnxruntime-training has no gradient for {len(bad)} node(s): {', '.join(bad[:8])}"
             f"{' ...' if len(bad) > 8 else ''}; re-export the model without these ops (e.g. Einsum as MatMul, "
-            "GroupNorm via Reshape+LayerNorm, BatchNorm folded into the convolution) or train it elsewhere"
+            "GroupNorm via Reshape+LayerNorm, GRU as LSTM) or train it elsewhere"
         )
+
+
+def _pretraining_rewrite(model: onnx.ModelProto, trained: set[str], origin: str) -> onnx.ModelProto:
+    """onnxruntime's pre-training graph rewrites, which give LSTM and BatchNormalization their gradients.
+
+    Parameters are graph inputs by now, so the rewrites cannot fold or merge them (equal-valued
+    initializers would otherwise be shared). BatchNormalization turns into training mode: it
+    normalizes with each micro-batch's statistics, and its running mean and variance are not
+    updated (they stay as in the stage file, which export keeps for inference).
+    """
+    from onnxruntime.capi._pybind_state import SessionOptions, get_optimized_model
+
+    quiet_logger()
+    try:
+        with quiet_stderr():
+            rewritten = get_optimized_model(model.SerializeToString(), trained, SessionOptions())
+    except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
+        raise OnnxpipeError(f"{origin}: onnxruntime's pre-training rewrites failed: {_ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
+    return onnx.load_from_string(rewritten)
+
+
+def _ort_reason(exc: Exception) -> str:
+    """The reason in an onnxruntime error: its first line, after the source location and status code (separated by " : ")."""
+    lines = str(exc).strip().splitlines()
+    return lines[0].split(" : ")[-1][:300] if lines else type(exc).__name__
 
 
 def _gradient_model(model: onnx.ModelProto, trained: set[str], origin: str) -> onnx.ModelProto:
@@ -244,10 +281,7 @@ def _gradient_model(model: onnx.ModelProto, trained: set[str], origin: str) -> o
             builder.build()
         return onnx.load_from_string(builder.get_model())
     except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
-        lines = str(exc).strip().splitlines()
-        # onnxruntime prefixes the reason with source location and status code, separated by " : ".
-        first = lines[0].split(" : ")[-1][:300] if lines else type(exc).__name__
-        raise OnnxpipeError(f"{origin}: onnxruntime-training could not build the gradient graph: {first}; check the model's ops with `onnxpipe inspect`") from exc
+        raise OnnxpipeError(f"{origin}: onnxruntime-training could not build the gradient graph: {_ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -293,8 +327,34 @@ def _value_types(model: onnx.ModelProto, forward_nodes: Sequence[onnx.NodeProto]
         types.update({v.name: v.type for v in inferred.graph.value_info})
     except Exception:  # contrib ops in the forward part: fall back to declared types
         pass
+    if any(n.domain not in ("", "ai.onnx") for n in forward_nodes):
+        types.update(_ort_types(probe))
     for t in model.graph.initializer:
         types.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+    return types
+
+
+def _ort_types(probe: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Types onnxruntime infers for every node output (onnx knows no contrib op such as LSTMTraining):
+    the nodes' outputs become untyped graph outputs of a session whose declared outputs are then read."""
+    import onnxruntime as ort
+
+    typed = onnx.ModelProto()
+    typed.CopyFrom(probe)
+    del typed.graph.output[:]
+    typed.graph.output.extend(onnx.ValueInfoProto(name=o) for n in typed.graph.node for o in n.output if o)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    quiet_logger()
+    try:
+        outputs = ort.InferenceSession(typed.SerializeToString(), options, providers=["CPUExecutionProvider"]).get_outputs()
+    except Exception:  # leave the declared types; `_value_info` names the tensor it misses
+        return {}
+    types = {}
+    for out in outputs:
+        elem = TensorProto.DataType.Value(out.type.removeprefix("tensor(").removesuffix(")").upper())
+        shape = [d if isinstance(d, int) else None for d in out.shape] if out.shape is not None else None
+        types[out.name] = helper.make_tensor_type_proto(elem, shape)
     return types
 
 
