@@ -13,7 +13,8 @@ arrived. Every directed device pair is one physical link channel: transfers in f
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
 other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
-devices share that many cores: n processes computing at once each run at min(1, cores / n) speed.
+devices share that many cores (less what `background` work takes, see `_Cores`): n processes
+computing at once each run at min(1, cores / n) speed.
 A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
 of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth). The iteration ends the
@@ -275,12 +276,16 @@ class _Links:
 
 
 class _Cores:
-    """F and B in progress on cpu stages that share the target's cores: each process computes at
-    min(1, cores / (processes computing + background)) of its own speed (processor sharing, like `_Links`)."""
+    """F and B in progress on cpu stages that share the target's cores: n processes computing at once
+    each run at min(1, available / n) of their own speed (processor sharing, like `_Links`).
+
+    Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
+    with one busy process beside two workers on two cores, the workers take turns on the other core
+    (the scheduler's time slices are longer than their actions). Beyond that, the workers together
+    keep a 1 / (1 + background) share: available = max(cores - background, cores / (1 + background))."""
 
     def __init__(self, plan: Plan, target: Target, background: float) -> None:
-        self.cores = target.cores
-        self.background = background
+        self.cores = max(target.cores - background, target.cores / (1 + background))
         self.shared = tuple(target.cores > 0 and all(target.device(d).kind == "cpu" for d in st.devices) for st in plan.stages)
         self._processes = tuple(len(st.devices) for st in plan.stages)
         #: stage -> [seconds of work left at full speed, what to report when done].
@@ -290,7 +295,7 @@ class _Cores:
         self.active[stage] = [work, key]
 
     def _rate(self) -> float:
-        return min(1.0, self.cores / (sum(self._processes[s] for s in self.active) + self.background))
+        return min(1.0, self.cores / sum(self._processes[s] for s in self.active))
 
     def next_time(self, now: float) -> float:
         if not self.active:

@@ -281,6 +281,9 @@ def test_cpu_stages_share_the_targets_cores() -> None:
     # Two cores for two workers, or devices that do not share: no slowdown.
     assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(3.0)
     assert simulate(plan, replace(base, cores=1)).iteration_seconds == pytest.approx(3.0)
-    # One background process on two cores: a lone worker runs at full speed, two at 2/3.
+    # One background process on two cores leaves one: a lone worker runs at full speed, two at half.
     sim = simulate(plan, replace(cpus, cores=2), background=1.0)
-    assert sim.iteration_seconds == pytest.approx(1.0 + 1.5 + 1.0)
+    assert sim.iteration_seconds == pytest.approx(1.0 + 2.0 + 1.0)
+    # Three on two cores leave the workers half a core together: every forward at half speed or less.
+    sim = simulate(plan, replace(cpus, cores=2), background=3.0)
+    assert sim.iteration_seconds == pytest.approx(2.0 + 4.0 + 2.0)
