@@ -72,13 +72,14 @@ def run(time_limit: float, models: list[str]) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], time_limit: float) -> str:
+def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> str:
     baseline_names = ("uniform-nodes", "uniform-layers", "parameters", "pipedream")
     lines = [
         f"<!-- {SECTION}:start -->",
         "## Planner: quality and solve time",
         "",
-        f"Regenerate: `.venv/bin/python tools/bench_plan.py --time-limit {time_limit:g}` ({os.cpu_count()} cores). Each zoo model at its default",
+        f"Regenerate: `.venv/bin/python tools/bench_plan.py --time-limit {time_limit:g}` ({os.cpu_count()} cores, 1-minute load average "
+        f"{load[0]:.1f} at the start and {load[1]:.1f} at the end: solve times are wall clock on shared cores). Each zoo model at its default",
         "knobs (VGG-16, ResNet-50, GNMT-8, GPT-2 and BERT at full size) and a 10,000-node GPT-2-shaped transformer (295 layers,",
         "d_model 128), analytic costs, one micro-batch = the model's batch, 2 x stages micro-batches, 1F1B, Adam.",
         "k = 8 runs on a copy of the target with every device count doubled (fpga4x2, gpu4x2, heterox2).",
@@ -137,8 +138,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--models", default=",".join(names() + (BIG,)))
     args = parser.parse_args()
+    start = os.getloadavg()[0]
     rows = run(args.time_limit, [m for m in args.models.split(",") if m])
-    text = report(rows, args.time_limit)
+    text = report(rows, args.time_limit, (start, os.getloadavg()[0]))
     print(text)
     write_section(text)
 
