@@ -258,7 +258,7 @@ def test_infeasible_memory_names_need_capacity_and_fixes() -> None:
     with pytest.raises(OnnxpipeError) as info:
         plan(graph, costs, target, stages=2, time_limit=5)
     assert str(info.value) == (
-        "no plan fits: the smallest stage needs 16.0 GiB of memory but the largest device holds 8.0 GiB; "
+        "no plan fits: the smallest stage needs 16 GiB of memory but the largest device holds 8 GiB; "
         "try --recompute always, more stages, a smaller micro-batch (--microbatches), or a target with more memory"
     )
 

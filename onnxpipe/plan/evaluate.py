@@ -17,6 +17,7 @@ from onnxpipe.plan.bounds import lower_bound
 from onnxpipe.plan.problem import Problem, in_flight
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
 from onnxpipe.plan.timing import iteration_seconds
+from onnxpipe.units import format_bytes
 
 __all__ = ["Assignment", "evaluate", "fits", "overflow"]
 
@@ -69,12 +70,12 @@ def fits(plan: Plan) -> bool:
 
 
 def overflow(plan: Plan) -> str:
-    """Why a plan does not fit, e.g. 'stage 0 needs 9.1 GiB > 8.0 GiB'; empty when it fits."""
+    """Why a plan does not fit, e.g. 'stage 0 needs 9.1 GiB > 8 GiB'; empty when it fits."""
     over = [s for s in plan.stages if s.memory.total > s.memory.capacity]
     if not over:
         return ""
     s = max(over, key=lambda s: s.memory.total / s.memory.capacity)
-    return f"stage {s.index} needs {s.memory.total / 2**30:.1f} GiB > {s.memory.capacity / 2**30:.1f} GiB"
+    return f"stage {s.index} needs {format_bytes(s.memory.total)} > {format_bytes(s.memory.capacity)}"
 
 
 def _gap(objective: float, bound: float) -> float:

@@ -22,6 +22,7 @@ from onnxpipe.plan.evaluate import evaluate, fits
 from onnxpipe.plan.layout import to_assignment
 from onnxpipe.plan.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
+from onnxpipe.units import format_bytes
 
 __all__ = ["solve", "default_blocks", "infeasible_message"]
 
@@ -116,15 +117,14 @@ def _choose(found: list[Plan], by_iteration: bool = False) -> Plan | None:
 
 
 def infeasible_message(problem: Problem, bound: LowerBound, stages: int) -> str:
-    gib = 2**30
     need = bound.memory_bytes
     cap = bound.capacity_bytes
     fixes = "try --recompute always, more stages, a smaller micro-batch (--microbatches), or a target with more memory"
     if need > cap:
-        return f"no plan fits: the smallest stage needs {need / gib:.1f} GiB of memory but the largest device holds {cap / gib:.1f} GiB; {fixes}"
+        return f"no plan fits: the smallest stage needs {format_bytes(need)} of memory but the largest device holds {format_bytes(cap)}; {fixes}"
     return (
-        f"no plan with {stages} stages fits in memory (largest device {cap / gib:.1f} GiB; every plan needs at least "
-        f"{need / gib:.1f} GiB on some device, more once activations are stashed); {fixes}"
+        f"no plan with {stages} stages fits in memory (largest device {format_bytes(cap)}; every plan needs at least "
+        f"{format_bytes(need)} on some device, more once activations are stashed); {fixes}"
     )
 
 
