@@ -237,7 +237,11 @@ def test_worker_processes_match_unpartitioned(name: str, k: int, schedule: str, 
     directory, manifest = stage_dir(name, k)
     config = TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD, recompute=recompute)
     with ProcessPipeline(prepare_stages(directory, manifest, config)) as pipe:
-        losses = [pipe.train_step(mb) for mb in batches(name, manifest, config)]
+        data = batches(name, manifest, config)
+        losses = [pipe.train_step(data[0])]
+        segments = _segments(pipe.segment_prefix)
+        losses += [pipe.train_step(mb) for mb in data[1:]]
+        assert _segments(pipe.segment_prefix) == segments  # one segment per (edge, key, micro-batch), made in the first step
         weights = pipe.parameters()
         stats = pipe.last
         pids, prefix = pipe.pids, pipe.segment_prefix

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from onnxpipe.train.prepare import TrainConfig, prepare_single
 from onnxpipe.train.stage import StageRunner
-from onnxpipe.train.transport import ShmTransport, sweep_segments
+from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
 
 SHM_SIZES = (4096, 256 * 1024, 2**20, 4 * 2**20, 16 * 2**20)
 
@@ -143,7 +143,7 @@ def transport_handoff_seconds(repeat: int = 200) -> dict[int, float]:
 
     ctx = mp.get_context("spawn")
     prefix = f"onnxpipe_measure_{os.getpid()}_"
-    inboxes = [ctx.Queue(), ctx.Queue()]
+    inboxes = make_inboxes(ctx, 2)
     echo = ctx.Process(target=_transport_echo, args=(prefix, inboxes, SHM_SIZES, repeat))
     echo.start()
     transport = ShmTransport(prefix, inboxes, 0)

@@ -26,7 +26,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.simulate import Event
 from onnxpipe.train.stage import StageSpec
 from onnxpipe.train.timeline import step_events
-from onnxpipe.train.transport import ShmTransport, sweep_segments
+from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
 from onnxpipe.train.worker import OPS, worker_main
 
 __all__ = ["StepStats", "ProcessPipeline", "PHASES"]
@@ -68,6 +68,8 @@ class StepStats:
     peak_rss_bytes: tuple[int, ...]
     #: What every stage did when, in seconds from the step's start (see `timeline.step_events`).
     events: tuple[Event, ...] = ()
+    #: Per stage: CPU seconds of the transport calls (`copy_seconds` less preemption).
+    copy_cpu_seconds: tuple[float, ...] = ()
 
 
 class ProcessPipeline:
@@ -78,7 +80,7 @@ class ProcessPipeline:
         self._ctx = mp.get_context("spawn")
         self._prefix = f"onnxpipe_{os.getpid()}_{secrets.token_hex(3)}_"
         k = len(self.specs)
-        self._inboxes = [self._ctx.Queue() for _ in range(k)]
+        self._inboxes = make_inboxes(self._ctx, k)
         self._commands = [self._ctx.Queue() for _ in range(k)]
         self._results = self._ctx.Queue()
         self._current = self._ctx.Array("i", 2 * k, lock=False)
@@ -113,20 +115,21 @@ class ProcessPipeline:
 
     def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
         start = time.perf_counter()
-        self._post(microbatches)
-        for q in self._commands:
+        for q in self._commands:  # workers first, so they drain their inboxes while the inputs arrive
             q.put(("step",))
+        self._post(microbatches)
         replies = self._wait("done")
         losses = [x for r in replies for x in r[2]]
         seconds = time.perf_counter() - start
         self.last = StepStats(float(np.mean(losses)), seconds, tuple(r[3] for r in replies), tuple(r[4] for r in replies),
-                              tuple(r[5] for r in replies), tuple(r[6] for r in replies), step_events(start, [r[7] for r in replies]))
+                              tuple(r[5] for r in replies), tuple(r[6] for r in replies), step_events(start, [r[7] for r in replies]),
+                              tuple(r[8] for r in replies))
         return self.last.loss
 
     def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        self._post(microbatches)
         for q in self._commands:
             q.put(("evaluate", len(microbatches)))
+        self._post(microbatches)
         replies = self._wait("outputs")
         merged: list[dict[str, np.ndarray]] = [dict() for _ in microbatches]
         for r in replies:
@@ -172,9 +175,12 @@ class ProcessPipeline:
                 p.join()
         self._driver.close()
         sweep_segments(self._prefix)
-        for q in [*self._inboxes, *self._commands, self._results]:
+        for q in [*self._commands, self._results]:
             q.close()
             q.cancel_join_thread()
+        for ends in self._inboxes:
+            for end in ends:
+                end.close()
         self._procs = []
 
     def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:

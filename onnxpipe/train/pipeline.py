@@ -69,6 +69,7 @@ class Pipeline:
         self._seconds: list[float] = []
         self._busy: list[tuple[float, ...]] = []
         self._copy: list[tuple[float, ...]] = []
+        self._copy_cpu: list[tuple[float, ...]] = []
         self._peaks: tuple[int, ...] = ()
         self._stash_peaks: tuple[int, ...] = ()
         #: The measured timeline of the last step (seconds from its start), in the simulator's event format.
@@ -153,12 +154,14 @@ class Pipeline:
             self.last_events = step_events(start, [p.take_timings() for p in self.engine.programs])
             self._busy.append(tuple(r.busy_seconds - b for r, b in zip(self.engine.runners, before)))
             self._copy.append(tuple(0.0 for _ in before))
+            self._copy_cpu.append(tuple(0.0 for _ in before))
             self._stash_peaks = tuple(r.peak_stash_bytes for r in self.engine.runners)
         else:
             last = self.engine.last
             self.last_events = last.events
             self._busy.append(last.busy_seconds)
             self._copy.append(last.copy_seconds)
+            self._copy_cpu.append(last.copy_cpu_seconds)
             self._peaks, self._stash_peaks = last.peak_rss_bytes, last.peak_stash_bytes
         self._seconds.append(seconds)
         self.losses.append(loss)
@@ -186,6 +189,7 @@ class Pipeline:
         seconds = statistics.median(self._seconds[steady]) if self._seconds else 0.0
         busy = [statistics.median(col) for col in zip(*self._busy[steady])] if self._busy else []
         copy = [statistics.median(col) for col in zip(*self._copy[steady])] if self._copy else []
+        copy_cpu = [statistics.median(col) for col in zip(*self._copy_cpu[steady])] if self._copy_cpu else []
         return {
             "losses": list(self.losses),
             "step_seconds": seconds,
@@ -193,6 +197,7 @@ class Pipeline:
             "samples_per_s": self.batch / seconds if seconds else 0.0,
             "bubble_fraction": max(0.0, 1 - sum(busy) / (self.stages * seconds)) if seconds else 0.0,
             "transfer_fraction": sum(copy) / (self.stages * seconds) if seconds else 0.0,
+            "transfer_cpu_fraction": sum(copy_cpu) / (self.stages * seconds) if seconds else 0.0,
             "stages": [
                 {"stage": i, "busy_seconds": b, "transfer_seconds": c,
                  "peak_memory_bytes": self._peaks[i] if i < len(self._peaks) else None,

@@ -2,22 +2,35 @@
 
 Keys name what travels: a tensor name for activations and model inputs, `grad_key(...)` for
 gradients. `LocalTransport` keeps arrays in dicts (one process); `ShmTransport` copies them
-through one reusable shared-memory slot per (destination, key, micro-batch) and signals on the
-destination's queue. A multi-host backend only has to offer the same three methods.
+through one shared-memory slot per (destination, key, micro-batch), created on first use and
+reused every step, and signals with a small header on the destination's pipe (`make_inboxes`).
+A multi-host backend only has to offer the same three methods.
 """
 
 from __future__ import annotations
 
-import queue as queue_mod
+import fcntl
+import marshal
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Transport", "LocalTransport", "ShmTransport", "PeerGone", "grad_key", "shared_key", "sweep_segments"]
+from onnxpipe.errors import OnnxpipeError
+
+__all__ = ["Transport", "LocalTransport", "ShmTransport", "Inbox", "make_inboxes", "PeerGone", "grad_key", "shared_key", "sweep_segments"]
+
+#: A stage's inbox: the (reader, writer) ends of one pipe; every sender writes, the stage reads.
+Inbox = tuple[Connection, Connection]
+#: Writes up to this size are atomic on a pipe (POSIX PIPE_BUF), so senders never interleave headers.
+_ATOMIC_WRITE = 4096
+#: Pipe capacity asked for: headers of thousands of unread messages fit before a sender blocks.
+_PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = 1031
 
 
 def grad_key(tensor: str, sender: int) -> str:
@@ -60,35 +73,60 @@ class LocalTransport:
         return (key, microbatch) in self.inboxes.get(self.me, {})
 
 
-class ShmTransport:
-    """Shared-memory slots named `<prefix><dst>_<n>` (created by the sender, reused every step) plus a queue per stage."""
+def make_inboxes(ctx: Any, count: int) -> list[Inbox]:
+    """One pipe per stage, from a multiprocessing context (the ends travel to spawned workers as arguments)."""
+    inboxes = [ctx.Pipe(duplex=False) for _ in range(count)]
+    for reader, _ in inboxes:
+        try:
+            fcntl.fcntl(reader.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
+        except OSError:  # above the system's pipe-max-size: keep the default capacity
+            pass
+    return inboxes
 
-    def __init__(self, prefix: str, inboxes: Sequence[Any], me: int, alive: Callable[[], bool] = lambda: True) -> None:
+
+class _Slot:
+    """A sender's segment for one (destination, key, micro-batch), with its header and the array view it writes through."""
+
+    __slots__ = ("seg", "header", "shape", "dtype", "view")
+
+    def __init__(self, seg: shared_memory.SharedMemory, header: bytes, shape: tuple[int, ...], dtype: np.dtype, view: np.ndarray) -> None:
+        self.seg, self.header, self.shape, self.dtype, self.view = seg, header, shape, dtype, view
+
+
+class ShmTransport:
+    """Shared-memory slots named `<prefix><sender>_<dst>_<n>` (created by the sender on first use, reused
+    every step; the receiver maps each once) plus a header `(key, micro-batch, slot, shape, dtype)` written
+    on the destination's pipe. `recv` returns a read-only view of the slot, no copy: a slot is rewritten
+    only in the next step (or command), after its reader is done with everything it received."""
+
+    def __init__(self, prefix: str, inboxes: Sequence[Inbox], me: int, alive: Callable[[], bool] = lambda: True) -> None:
         self.prefix = prefix
         self.inboxes = inboxes
         self.me = me
         self.alive = alive
-        self._slots: dict[tuple[int, str, int], shared_memory.SharedMemory] = {}
+        self._slots: dict[tuple[int, str, int], _Slot] = {}
+        self._made = 0
         self._attached: dict[str, shared_memory.SharedMemory] = {}
         self._arrived: dict[tuple[str, int], tuple[str, tuple[int, ...], str]] = {}
-        #: Seconds spent copying in and out of shared memory (the transfer share of a step).
+        #: Seconds spent in send and recv (copy into shared memory, signal, map): wall clock, and this
+        #: thread's CPU time (the cost itself, without the preemption a loaded machine adds to the wall clock).
         self.copy_seconds = 0.0
+        self.copy_cpu_seconds = 0.0
 
     def send(self, dst: int, key: str, microbatch: int, array: np.ndarray) -> None:
-        start = time.perf_counter()
-        array = np.ascontiguousarray(array)
+        start, cpu = time.perf_counter(), time.thread_time()
         slot = self._slots.get((dst, key, microbatch))
-        if slot is None or slot.size < max(array.nbytes, 1):
-            slot = _untracked(shared_memory.SharedMemory(name=f"{self.prefix}{self.me}_{dst}_{len(self._slots)}", create=True, size=max(array.nbytes, 1)))
-            self._slots[(dst, key, microbatch)] = slot
-        np.ndarray(array.shape, array.dtype, buffer=slot.buf)[...] = array
-        self.inboxes[dst].put((key, microbatch, slot.name, array.shape, array.dtype.str))
+        if slot is None or slot.shape != array.shape or slot.dtype != array.dtype:
+            slot = self._new_slot(dst, key, microbatch, array)
+        np.copyto(slot.view, array, casting="no")
+        self.inboxes[dst][1].send_bytes(slot.header)
         self.copy_seconds += time.perf_counter() - start
+        self.copy_cpu_seconds += time.thread_time() - cpu
 
     def recv(self, key: str, microbatch: int) -> np.ndarray:
         while (key, microbatch) not in self._arrived:
             self._drain(block=True)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         name, shape, dtype = self._arrived.pop((key, microbatch))
         seg = self._attached.get(name)
         if seg is None:
@@ -96,31 +134,55 @@ class ShmTransport:
                 seg = self._attached[name] = _untracked(shared_memory.SharedMemory(name=name))
             except FileNotFoundError as exc:
                 raise PeerGone(f"the sender of {key!r} (micro-batch {microbatch}) is gone") from exc
-        out = np.ndarray(shape, np.dtype(dtype), buffer=seg.buf).copy()
+        out = np.ndarray(shape, np.dtype(dtype), buffer=seg.buf)
+        out.flags.writeable = False
         self.copy_seconds += time.perf_counter() - start
+        self.copy_cpu_seconds += time.thread_time() - cpu
         return out
 
     def ready(self, key: str, microbatch: int) -> bool:
-        self._drain(block=False)
+        while self.inboxes[self.me][0].poll():
+            self._drain(block=False)
         return (key, microbatch) in self._arrived
 
+    def _new_slot(self, dst: int, key: str, microbatch: int, array: np.ndarray) -> _Slot:
+        """The segment for this (destination, key, micro-batch), its header and a view to write into, made
+        once (again only if the array outgrows the segment or changes shape)."""
+        old = self._slots.get((dst, key, microbatch))
+        if old is not None and old.seg.size >= max(array.nbytes, 1):
+            seg = old.seg
+        else:
+            if old is not None:
+                del old.view
+                old.seg.close()
+                _unlink(old.seg.name)
+            seg = _untracked(shared_memory.SharedMemory(name=f"{self.prefix}{self.me}_{dst}_{self._made}", create=True, size=max(array.nbytes, 1)))
+            self._made += 1
+        header = marshal.dumps((key, microbatch, seg.name, tuple(array.shape), array.dtype.str))
+        if len(header) > _ATOMIC_WRITE - 8:
+            raise OnnxpipeError(f"tensor name {key[:60]!r}... is too long to travel between stages ({len(key)} characters); rename it below 3000 characters")
+        slot = self._slots[(dst, key, microbatch)] = _Slot(seg, header, array.shape, array.dtype, np.ndarray(array.shape, array.dtype, buffer=seg.buf))
+        return slot
+
     def _drain(self, block: bool) -> None:
-        inbox = self.inboxes[self.me]
-        try:
-            msg = inbox.get(timeout=0.5) if block else inbox.get_nowait()
-        except queue_mod.Empty:
+        reader = self.inboxes[self.me][0]
+        if not reader.poll(0.5 if block else 0):
             if block and not self.alive():
                 raise SystemExit(3)
             return
-        key, mb, name, shape, dtype = msg
-        self._arrived[(key, mb)] = (name, tuple(shape), dtype)
+        key, mb, name, shape, dtype = marshal.loads(reader.recv_bytes())
+        self._arrived[(key, mb)] = (name, shape, dtype)
 
     def close(self) -> None:
         for seg in self._attached.values():
-            seg.close()
-        for seg in self._slots.values():
-            seg.close()
-            _unlink(seg.name)
+            try:
+                seg.close()
+            except BufferError:  # views still held (a failing stage's stash): the mapping goes with the process
+                pass
+        for slot in self._slots.values():
+            del slot.view
+            slot.seg.close()
+            _unlink(slot.seg.name)
         self._attached.clear()
         self._slots.clear()
 

@@ -53,13 +53,13 @@ def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, pref
             if cmd[0] == "stop":
                 break
             if cmd[0] == "step":
-                busy0, copy0 = runner.busy_seconds, transport.copy_seconds
+                busy0, copy0, cpu0 = runner.busy_seconds, transport.copy_seconds, transport.copy_cpu_seconds
                 for action in spec.actions:
                     current[mark[0]], current[mark[1]] = OPS.index(action.op), action.microbatch
                     program.perform(action)
                 current[mark[0]] = 0
                 results.put(("done", me, runner.take_losses(), runner.busy_seconds - busy0, transport.copy_seconds - copy0,
-                             runner.peak_stash_bytes, peak_rss_bytes(), program.take_timings()))
+                             runner.peak_stash_bytes, peak_rss_bytes(), program.take_timings(), transport.copy_cpu_seconds - cpu0))
             elif cmd[0] == "evaluate":
                 outputs = []
                 for i in range(cmd[1]):
