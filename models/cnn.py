@@ -77,8 +77,8 @@ def resnet_tiny(*, blocks: int, channels: int, batch: int, image: int, classes: 
     """A small ResNet: 3x3 stem, `blocks` basic blocks (the middle one halves the image and doubles the
     channels), global pooling and a Gemm classifier.
 
-    BatchNormalization is off by default: onnxruntime-training has no gradient for it unless graph
-    optimisation rewrites it, and the training variant must train as built.
+    BatchNormalization is off by default: its gradient exists only after onnxruntime's pre-training
+    rewrite (the executor applies it), and training then uses per-micro-batch statistics.
     """
     _ensure_positive(blocks=blocks, channels=channels, batch=batch, image=image, classes=classes)
     b = GraphBuilder("resnet-tiny", seed)

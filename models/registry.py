@@ -78,7 +78,7 @@ _SPECS: dict[str, ModelSpec] = {
         _spec("gpt2-tiny", "GPT-2-shaped decoder, 4 layers: the quick-start model", transformer.decoder, _DECODER),
         _spec("bert-tiny", "BERT-shaped encoder (post-LN, no mask) with a tied masked-LM head", transformer.encoder,
               {"layers": 2, "d_model": 64, "heads": 4, "seq": 32, "vocab": 256, "batch": 4}),
-        _spec("gnmt-tiny", "GNMT-shaped LSTM seq2seq with attention (no LSTM gradient in onnxruntime-training)", rnn.gnmt,
+        _spec("gnmt-tiny", "GNMT-shaped LSTM seq2seq with attention (trains through onnxruntime's LSTM rewrite)", rnn.gnmt,
               {"layers": 2, "hidden": 32, "seq": 8, "vocab": 64, "batch": 4}),
         _spec("two-io", "two inputs, two outputs (an early head), skip connections", multi_io.two_io,
               {"width": 32, "batch": 8, "in_features": 16, "classes": 10}),

@@ -48,8 +48,8 @@ def _attend(b: GraphBuilder, query: str, memory: str) -> str:
 def gnmt(*, layers: int, hidden: int, seq: int, vocab: int, batch: int, train: bool, seed: int, full_size: bool = False) -> onnx.ModelProto:
     """GNMT-like seq2seq: src/tgt token inputs [batch, seq] -> logits [batch, seq, vocab].
 
-    onnxruntime-training has no LSTM gradient unless graph optimisation rewrites it, so the training
-    variant is for planning and loading; it runs forward like the inference one.
+    onnxruntime-training's gradient builder knows LSTM only after its pre-training rewrite (LSTM ->
+    LSTMTraining); the executor applies that rewrite to stages holding LSTMs, so the training variant trains.
     """
     for key, value in {"layers": layers, "hidden": hidden, "seq": seq, "vocab": vocab, "batch": batch}.items():
         if value < 1:

@@ -112,7 +112,7 @@ def test_training_variant_gives_finite_scalar_loss_first(name: str) -> None:
         assert node.op_type != "BatchNormalization"
 
 
-@pytest.mark.parametrize("name", [n for n in TRAINABLE if n != "gnmt-tiny"])  # no LSTM gradient in onnxruntime-training
+@pytest.mark.parametrize("name", [n for n in TRAINABLE if n != "gnmt-tiny"])  # LSTM needs onnxruntime's rewrite first (tests/test_train.py)
 def test_training_variant_has_a_gradient_for_every_weight(name: str) -> None:
     from onnxruntime.capi._pybind_state import GradientGraphBuilder  # the C++ builder; no torch import
 
