@@ -457,7 +457,7 @@ def train(
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic data."),
     report_path: str = typer.Option(None, "--report", help="Write FILE.html: the measured timeline of the last step beside the simulated one."),
 ) -> None:
-    """Train a model as a pipeline: one worker process per stage, the schedule's table, shared-memory transport."""
+    """Train a model as a pipeline: one worker process per stage replica, the schedule's table, shared-memory transport."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -481,7 +481,8 @@ def train(
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
         source = data_source(pipe, data, seed)
-        console.print(f"training {pipe.stages} stages ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(target)}", highlight=False)
+        workers = f" on {len(pipe.places)} workers" if len(pipe.places) != pipe.stages else ""
+        console.print(f"training {pipe.stages} stages{workers} ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(target)}", highlight=False)
         with Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             task = bar.add_task("train", total=steps, info="")

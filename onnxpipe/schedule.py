@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per-stage lists of actions that the simulator, the executor and the pictures all read.
 
 Reading order: `Action` -> `gpipe` / `one_f_one_b` -> `build` -> `add_communication`
--> checks (`in_flight`, `ensure_valid`).
+-> `replicate` (rows of a replicated stage's workers) -> checks (`in_flight`, `ensure_valid`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = [
     "one_f_one_b",
     "build",
     "add_communication",
+    "replicate",
     "in_flight",
     "ensure_valid",
     "render",
@@ -113,6 +114,19 @@ def add_communication(table: Table) -> Table:
     return tuple(lowered)
 
 
+def replicate(table: Table, replicas: tuple[int, ...]) -> Table:
+    """One row per worker, stage-major: replica j of stage s runs the micro-batches i with
+    i % replicas[s] == j in the order of the stage's row (and every STEP). A subsequence of a
+    deadlock-free order keeps every dependency it had, so the result cannot deadlock either."""
+    if len(replicas) != len(table) or min(replicas, default=1) < 1:
+        raise OnnxpipeError(f"replicas {tuple(replicas)}: need one count of at least 1 for each of the {len(table)} stages")
+    return tuple(
+        tuple(a for a in row if a.microbatch < 0 or a.microbatch % r == j)
+        for row, r in zip(table, replicas)
+        for j in range(r)
+    )
+
+
 def in_flight(actions: tuple[Action, ...]) -> int:
     """Most micro-batches whose forward ran and backward has not, over one stage's actions."""
     live = peak = 0
@@ -129,22 +143,25 @@ def ensure_valid(table: Table) -> None:
     """Every micro-batch is run forward and backward once per stage, and the table cannot deadlock.
 
     Runs the table with the pipeline's data dependencies: F(s, i) needs F(s-1, i); B(s, i) needs
-    F(s, i) and B(s+1, i). Raises if some stage can never make progress.
+    F(s, i) and B(s+1, i). Raises if some stage can never make progress. Rows are one per stage,
+    or one per worker (`replicate`): an action's stage is its own `stage`.
     """
-    stages = len(table)
-    for s, actions in enumerate(table):
+    stages = max((a.stage for row in table for a in row), default=-1) + 1
+    for s in range(stages):
+        actions = [a for row in table for a in row if a.stage == s]
         fs = sorted(a.microbatch for a in actions if a.op == "F")
         bs = sorted(a.microbatch for a in actions if a.op == "B")
         if fs != bs or fs != list(range(len(fs))):
             raise OnnxpipeError(f"schedule stage {s}: each micro-batch needs exactly one forward and one backward")
     done: set[tuple[int, str, int]] = set()
-    cursor = [0] * stages
+    cursor = [0] * len(table)
     progress = True
     while progress:
         progress = False
-        for s in range(stages):
-            while cursor[s] < len(table[s]):
-                a = table[s][cursor[s]]
+        for w in range(len(table)):
+            while cursor[w] < len(table[w]):
+                a = table[w][cursor[w]]
+                s = a.stage
                 needs = []
                 if a.op == "F" and s > 0:
                     needs.append((s - 1, "F", a.microbatch))
@@ -155,12 +172,12 @@ def ensure_valid(table: Table) -> None:
                 if not all(n in done for n in needs):
                     break
                 done.add((s, a.op, a.microbatch))
-                cursor[s] += 1
+                cursor[w] += 1
                 progress = True
-    stuck = [s for s in range(stages) if cursor[s] < len(table[s])]
+    stuck = [w for w in range(len(table)) if cursor[w] < len(table[w])]
     if stuck:
-        s = stuck[0]
-        raise OnnxpipeError(f"schedule deadlocks: stage {s} waits forever at {table[s][cursor[s]]}")
+        a = table[stuck[0]][cursor[stuck[0]]]
+        raise OnnxpipeError(f"schedule deadlocks: stage {a.stage} waits forever at {a}")
 
 
 def render(table: Table) -> str:

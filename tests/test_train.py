@@ -39,11 +39,13 @@ ADAMW = OptimizerConfig("adamw", lr=0.01)
 _TMP = Path(tempfile.mkdtemp(prefix="onnxpipe-test-train-"))
 
 
-def even_plan(graph: Graph, k: int) -> Plan:
-    """k stages of consecutive compute nodes, equal node counts."""
+def even_plan(graph: Graph, k: int, replicas: tuple[int, ...] | None = None) -> Plan:
+    """k stages of consecutive compute nodes, equal node counts; stage i on `replicas[i]` devices (default 1)."""
     nodes = graph.compute_nodes
     memory = Memory(0, 0, 0, 0, 0)
-    stages = tuple(StagePlan(i, (f"d{i}",), tuple(nodes[len(nodes) * i // k: len(nodes) * (i + 1) // k]), 0, 0, 0, 0, 0, 0, 0, False, memory)
+    reps = replicas or (1,) * k
+    stages = tuple(StagePlan(i, tuple(f"d{i}.{j}" for j in range(reps[i])), tuple(nodes[len(nodes) * i // k: len(nodes) * (i + 1) // k]),
+                             0, 0, 0, 0, 0, 0, 0, False, memory)
                    for i in range(k))
     return Plan(graph.source, graph.fingerprint, "test", dict(graph.dims), graph.batch, 1, "gpipe", "sgd", stages, 0, 0, 0,
                 SolveInfo("manual", 0, 0, 0, 0, 0))
@@ -56,9 +58,9 @@ def graph_of(name: str, train: bool = True) -> Graph:
 
 
 @functools.cache
-def stage_dir(name: str, k: int, train: bool = True) -> tuple[Path, Manifest]:
-    out = _TMP / f"{name}-{k}-{train}"
-    manifest = split(graph_of(name, train), even_plan(graph_of(name, train), k), out, force=True)
+def stage_dir(name: str, k: int, train: bool = True, replicas: tuple[int, ...] | None = None) -> tuple[Path, Manifest]:
+    out = _TMP / f"{name}-{k}-{train}-{'x'.join(map(str, replicas or ()))}"
+    manifest = split(graph_of(name, train), even_plan(graph_of(name, train), k, replicas), out, force=True)
     return out, manifest
 
 
@@ -93,8 +95,9 @@ def reference(name: str, optimizer: OptimizerConfig) -> tuple[list[float], dict[
     return losses, ref.parameters()
 
 
-def assert_same_training(name: str, k: int, schedule: str, recompute: str, optimizer: OptimizerConfig, weights: bool = True) -> LocalPipeline:
-    directory, manifest = stage_dir(name, k)
+def assert_same_training(name: str, k: int, schedule: str, recompute: str, optimizer: OptimizerConfig, weights: bool = True,
+                         replicas: tuple[int, ...] | None = None) -> LocalPipeline:
+    directory, manifest = stage_dir(name, k, replicas=replicas)
     config = TrainConfig(schedule=schedule, microbatches=M, optimizer=optimizer, recompute=recompute)
     pipe = LocalPipeline(prepare_stages(directory, manifest, config))
     losses = [pipe.train_step(mb) for mb in batches(name, manifest, config)]
@@ -107,11 +110,14 @@ def assert_same_training(name: str, k: int, schedule: str, recompute: str, optim
         for key, value in ref_weights.items():
             scale = max(1.0, float(np.max(np.abs(value))))
             assert float(np.max(np.abs(got[key] - value))) <= RTOL * scale * 10, key
-    for runner in pipe.runners:  # tied copies got the same updates
+    for runner in pipe.runners:  # tied copies and replicas got the same updates
         for p, _ in runner.spec.wiring.shared:
             for other in pipe.runners:
                 if p in other.params:
                     np.testing.assert_array_equal(other.params[p], runner.params[p])
+        first = pipe.stage_runners[runner.spec.index]
+        for p, value in runner.params.items():
+            np.testing.assert_array_equal(value, first.params[p])
     return pipe
 
 
@@ -219,6 +225,87 @@ def test_bad_batch_shape_names_the_batch_flag() -> None:
         split_microbatches({"x": np.zeros((5, 16), np.float32), "labels": np.zeros(5, np.int64)}, inputs, 4)
 
 
+# --- replicated stages (hybrid data + pipeline parallelism) -----------------------------------
+
+#: (stages, replicas per stage): pure data parallelism, and a replicated first stage feeding one worker.
+REPLICATED = [(1, (2,)), (2, (2, 1))]
+REPLICATED_MATRIX = [(name, k, reps, schedule) for name in ("mlp", "two-io", "gpt2-tiny") for k, reps in REPLICATED
+                     for schedule in ("gpipe", "1f1b")]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("replicas", [(2,), (3,), (2, 1), (1, 2), (2, 3, 1), (1, 1, 2, 2)])
+def test_replica_rows_cover_every_microbatch_and_cannot_deadlock(schedule: str, replicas: tuple[int, ...]) -> None:
+    from onnxpipe.schedule import ensure_valid, replicate
+
+    table = build(schedule, len(replicas), 6)
+    rows = replicate(table, replicas)
+    ensure_valid(rows)
+    assert len(rows) == sum(replicas)
+    w = 0
+    for s, r in enumerate(replicas):
+        for j in range(r):
+            assert {a.microbatch for a in rows[w] if a.op == "F"} == set(range(j, 6, r))
+            assert [a for a in rows[w] if a.op != "STEP"] == [a for a in table[s] if a.op != "STEP" and a.microbatch % r == j]
+            w += 1
+    broken = list(rows)
+    broken[0] = tuple(reversed(broken[0][:-1])) + (broken[0][-1],)  # backwards before forwards
+    with pytest.raises(OnnxpipeError, match="deadlocks"):
+        ensure_valid(tuple(broken))
+
+
+@pytest.mark.parametrize(("name", "k", "replicas", "schedule"), REPLICATED_MATRIX, ids=["-".join(map(str, c)) for c in REPLICATED_MATRIX])
+def test_replicated_stages_match_unpartitioned(name: str, k: int, replicas: tuple[int, ...], schedule: str) -> None:
+    pipe = assert_same_training(name, k, schedule, "never", SGD, replicas=replicas)
+    assert [(s.index, s.replica) for s in pipe.specs] == [(s, j) for s, r in enumerate(replicas) for j in range(r)]
+    for runner, trace in zip(pipe.runners, pipe.traces()):  # each replica ran only its own micro-batches
+        r = replicas[runner.spec.index]
+        assert {a.microbatch % r for a in trace if a.op == "F"} == {runner.spec.replica}
+
+
+def test_replica_without_microbatches_adds_nothing() -> None:
+    config = TrainConfig(microbatches=1, optimizer=SGD)
+    runs = []
+    for replicas in ((3,), None):
+        directory, manifest = stage_dir("mlp", 1, replicas=replicas)
+        pipe = LocalPipeline(prepare_stages(directory, manifest, config))
+        runs.append(([pipe.train_step(b) for b in batches("mlp", manifest, config, steps=3)], pipe))
+    (idle_losses, idle), (losses, single) = runs
+    assert idle_losses == losses and len(idle.runners) == 3
+    for runner in idle.runners:
+        for key, value in single.parameters().items():
+            np.testing.assert_array_equal(runner.params[key], value)
+
+
+@pytest.mark.parametrize(("name", "k", "replicas", "schedule"), [("gpt2-tiny", 2, (2, 1), "1f1b"), ("two-io", 1, (2,), "gpipe")])
+def test_replicated_worker_processes_match_unpartitioned(name: str, k: int, replicas: tuple[int, ...], schedule: str) -> None:
+    from onnxpipe.train.pipeline import Pipeline
+
+    directory, manifest = stage_dir(name, k, replicas=replicas)
+    config = TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD, recompute="never")
+    with Pipeline(directory, microbatches=M, schedule=schedule, optimizer=SGD, recompute="never") as pipe:
+        losses = [pipe.train_step(b) for b in _global_batches(name, manifest, config)]
+        weights = pipe.parameters()
+        metrics = pipe.metrics()
+        states = pipe.engine.state()
+        pids = pipe.engine.pids
+    assert len(pids) == sum(replicas) and not _alive(pids)
+    ref_losses, ref_weights = reference(name, SGD)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for key, value in ref_weights.items():
+        assert float(np.max(np.abs(weights[key] - value))) <= RTOL * 10 * max(1.0, float(np.max(np.abs(value)))), key
+    assert len(states) == k and len(metrics["stages"]) == k
+    for stage, r in zip(metrics["stages"], replicas):
+        assert [x["replica"] for x in stage["replicas"]] == list(range(r))
+        assert all(x["busy_seconds"] > 0 and x["peak_memory_bytes"] > 0 for x in stage["replicas"])
+        assert stage["busy_seconds"] == max(x["busy_seconds"] for x in stage["replicas"])
+
+
+def _global_batches(name: str, manifest: Manifest, config: TrainConfig) -> list[dict[str, np.ndarray]]:
+    """The micro-batches of `batches` joined back into global batches (what Pipeline.train_step takes)."""
+    return [{key: np.concatenate([mb[key] for mb in step]) for key in step[0]} for step in batches(name, manifest, config)]
+
+
 # --- worker processes ------------------------------------------------------------------------
 
 def _segments(prefix: str) -> list[str]:
@@ -311,10 +398,10 @@ def test_root_cause_beats_its_consequences_that_arrive_first() -> None:
     # The root cause failed first but its report is late: it still wins.
     threading.Timer(0.1, lambda: results.put(("error", 0, "F", 2, "InvalidArgument: bad index", "tb", t, False))).start()
     root = ProcessPipeline._root_cause(fake, [consequence])  # type: ignore[arg-type]
-    assert (root.stage, root.where, root.secondary) == (0, ("F", 2), False)
+    assert (root.worker, root.where, root.secondary) == (0, ("F", 2), False)
     # Among primary failures, the earliest wins whatever the arrival order.
     results.put(("error", 2, "B", 0, "later", "tb", t + 0.5, False))
-    assert ProcessPipeline._root_cause(fake, [_Failure(3, None, "exited with code -9", t + 1.0)]).stage == 2  # type: ignore[arg-type]
+    assert ProcessPipeline._root_cause(fake, [_Failure(3, None, "exited with code -9", t + 1.0)]).worker == 2  # type: ignore[arg-type]
 
 
 # --- checkpoints, the Pipeline API and the command line ---------------------------------------

@@ -1,10 +1,11 @@
-"""One worker process per stage (spawn), tensors through shared memory, the driver feeding
-micro-batches and collecting losses and measurements.
+"""One worker process per stage replica (spawn), tensors through shared memory, the driver feeding
+micro-batches and collecting losses and measurements. Workers are numbered stage-major (`Layout`);
+measurements come per worker, states per stage (replicas hold identical weights).
 
 Reading order: `StepStats` -> `ProcessPipeline` (start, train_step, evaluate, state, close)
 -> `_wait` (results, dead workers, errors) -> `_root_cause` -> `_fail`.
 
-One failure brings down its neighbours (a stage reading from a sender that cleaned up fails too),
+One failure brings down its neighbours (a worker reading from a sender that cleaned up fails too),
 so the driver does not report the first error it hears: it listens a little longer and names the
 earliest failure that was not a consequence of another (`_Failure.secondary`).
 """
@@ -24,7 +25,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.simulate import Event
-from onnxpipe.train.stage import StageSpec
+from onnxpipe.train.stage import StageSpec, mean_loss
 from onnxpipe.train.timeline import step_events
 from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
 from onnxpipe.train.worker import OPS, worker_main
@@ -44,32 +45,35 @@ _ROOT_WAIT = 3.0
 
 @dataclass(frozen=True)
 class _Failure:
-    stage: int
+    #: Worker id (the stage's index where no stage is replicated).
+    worker: int
     #: (op, micro-batch) when the worker said where; None: read the shared `current` marks.
     where: tuple[str, int] | None
     error: str
     #: time.monotonic() of the failure (of its detection for a dead worker).
     at: float
-    #: Caused by another stage's failure (its shared memory vanished).
+    #: Caused by another worker's failure (its shared memory vanished).
     secondary: bool = False
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """Measurements of one training step."""
+    """Measurements of one training step, per worker (worker w runs stage `places[w][0]`, replica `places[w][1]`)."""
 
     loss: float
     seconds: float
-    #: Per stage: seconds computing (forward, backward, optimizer), copying through shared memory.
+    #: Per worker: seconds computing (forward, backward, optimizer), copying through shared memory.
     busy_seconds: tuple[float, ...]
     copy_seconds: tuple[float, ...]
-    #: Per stage: peak bytes of stashed activations, peak RSS of the worker.
+    #: Per worker: peak bytes of stashed activations, peak RSS of the worker.
     peak_stash_bytes: tuple[int, ...]
     peak_rss_bytes: tuple[int, ...]
-    #: What every stage did when, in seconds from the step's start (see `timeline.step_events`).
+    #: What every worker did when, in seconds from the step's start (see `timeline.step_events`).
     events: tuple[Event, ...] = ()
-    #: Per stage: CPU seconds of the transport calls (`copy_seconds` less preemption).
+    #: Per worker: CPU seconds of the transport calls (`copy_seconds` less preemption).
     copy_cpu_seconds: tuple[float, ...] = ()
+    #: Per worker: (stage, replica).
+    places: tuple[tuple[int, int], ...] = ()
 
 
 class ProcessPipeline:
@@ -77,6 +81,9 @@ class ProcessPipeline:
 
     def __init__(self, specs: Sequence[StageSpec]) -> None:
         self.specs = tuple(specs)
+        if [s.worker for s in self.specs] != list(range(len(self.specs))):
+            raise OnnxpipeError("stage specs must come one per worker in worker order (stage-major); build them with prepare_stages")
+        self.places = tuple((s.index, s.replica) for s in self.specs)
         self._ctx = mp.get_context("spawn")
         self._prefix = f"onnxpipe_{os.getpid()}_{secrets.token_hex(3)}_"
         k = len(self.specs)
@@ -89,8 +96,8 @@ class ProcessPipeline:
         self.last: StepStats | None = None
         try:
             for spec in self.specs:
-                proc = self._ctx.Process(target=worker_main, name=f"onnxpipe-stage-{spec.index}", daemon=True,
-                                         args=(spec, self._inboxes, self._commands[spec.index], self._results, self._prefix, self._current))
+                proc = self._ctx.Process(target=worker_main, name=f"onnxpipe-stage-{spec.index}-{spec.replica}", daemon=True,
+                                         args=(spec, self._inboxes, self._commands[spec.worker], self._results, self._prefix, self._current))
                 proc.start()
                 self._procs.append(proc)
             self._wait("ready", _START_TIMEOUT)
@@ -119,11 +126,12 @@ class ProcessPipeline:
             q.put(("step",))
         self._post(microbatches)
         replies = self._wait("done")
-        losses = [x for r in replies for x in r[2]]
+        loss = mean_loss(r[2] for r in replies)
         seconds = time.perf_counter() - start
-        self.last = StepStats(float(np.mean(losses)), seconds, tuple(r[3] for r in replies), tuple(r[4] for r in replies),
-                              tuple(r[5] for r in replies), tuple(r[6] for r in replies), step_events(start, [r[7] for r in replies]),
-                              tuple(r[8] for r in replies))
+        self.last = StepStats(loss, seconds, tuple(r[3] for r in replies), tuple(r[4] for r in replies),
+                              tuple(r[5] for r in replies), tuple(r[6] for r in replies),
+                              step_events(start, [r[7] for r in replies], [s for s, _ in self.places]),
+                              tuple(r[8] for r in replies), self.places)
         return self.last.loss
 
     def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
@@ -133,18 +141,21 @@ class ProcessPipeline:
         replies = self._wait("outputs")
         merged: list[dict[str, np.ndarray]] = [dict() for _ in microbatches]
         for r in replies:
-            for i, out in enumerate(r[2]):
+            for i, out in r[2]:
                 merged[i].update(out)
         return merged
 
     def state(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
-        """Per stage: (parameters, optimizer state)."""
-        for q in self._commands:
-            q.put(("get",))
-        return [(r[2], r[3]) for r in self._wait("state")]
+        """Per stage: (parameters, optimizer state), from its first replica (replicas hold identical ones)."""
+        first = [s.worker for s in self.specs if s.replica == 0]
+        for w in first:
+            self._commands[w].put(("get",))
+        return [(r[2], r[3]) for r in self._wait("state", workers=first)]
 
     def load_state(self, states: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
-        for q, (params, opt) in zip(self._commands, states):
+        """Every replica of a stage gets that stage's state."""
+        for spec, q in zip(self.specs, self._commands):
+            params, opt = states[spec.index]
             q.put(("set", params, opt))
         self._wait("state")
 
@@ -186,15 +197,17 @@ class ProcessPipeline:
     def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
         for spec in self.specs:
             for i, mb in enumerate(microbatches):
-                for name in spec.wiring.model_inputs:
-                    self._driver.send(spec.index, name, i, mb[name])
+                if spec.layout.owner(spec.index, i) == spec.worker:
+                    for name in spec.wiring.model_inputs:
+                        self._driver.send(spec.worker, name, i, mb[name])
 
-    def _wait(self, kind: str, timeout: float | None = None) -> list[tuple]:
-        """One `kind` reply per stage, in stage order; a dead or failing worker fails the run within a second."""
+    def _wait(self, kind: str, timeout: float | None = None, workers: Sequence[int] | None = None) -> list[tuple]:
+        """One `kind` reply per worker (of `workers`, default all), in worker order; a dead or failing worker fails the run within a second."""
+        want = list(range(len(self.specs))) if workers is None else list(workers)
         got: dict[int, tuple] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while len(got) < len(self.specs):
+            while len(got) < len(want):
                 try:
                     msg = self._results.get(timeout=0.2)
                 except queue_mod.Empty:
@@ -202,8 +215,8 @@ class ProcessPipeline:
                     if dead:
                         self._fail(self._root_cause(dead))
                     if deadline is not None and time.monotonic() > deadline:
-                        stage = min(set(range(len(self.specs))) - set(got))
-                        self._fail(_Failure(stage, None, f"no answer within {timeout:.0f} s", time.monotonic()))
+                        late = min(set(want) - set(got))
+                        self._fail(_Failure(late, None, f"no answer within {timeout:.0f} s", time.monotonic()))
                     continue
                 if msg[0] == "error":
                     self._fail(self._root_cause([_reported(msg)]))
@@ -212,19 +225,19 @@ class ProcessPipeline:
         except KeyboardInterrupt:
             self.close(force=True)
             raise
-        return [got[s.index] for s in self.specs]
+        return [got[w] for w in want]
 
     def _dead(self, skip: set[int]) -> list[_Failure]:
         """Workers that exited abnormally (a worker that reported an error exits with 0)."""
         now = time.monotonic()
-        return [_Failure(spec.index, None, f"worker exited with code {proc.exitcode}", now)
-                for spec, proc in zip(self.specs, self._procs)
-                if spec.index not in skip and not proc.is_alive() and proc.exitcode != 0]
+        return [_Failure(w, None, f"worker exited with code {proc.exitcode}", now)
+                for w, proc in enumerate(self._procs)
+                if w not in skip and not proc.is_alive() and proc.exitcode != 0]
 
     def _root_cause(self, failures: list[_Failure]) -> _Failure:
         """Listen `_GRACE` s more (up to `_ROOT_WAIT` s while only consequences arrived); the earliest primary failure wins."""
         start = time.monotonic()
-        found = {f.stage: f for f in failures}
+        found = {f.worker: f for f in failures}
         while True:
             waited = time.monotonic() - start
             primary = any(not f.secondary for f in found.values())
@@ -234,23 +247,25 @@ class ProcessPipeline:
                 msg = self._results.get(timeout=0.05)
             except queue_mod.Empty:
                 for f in self._dead(set(found)):
-                    found[f.stage] = f
+                    found[f.worker] = f
                 continue
             if msg[0] == "error":
                 found[msg[1]] = _reported(msg)  # a worker's own report beats its exit code
-        return min(found.values(), key=lambda f: (f.secondary, f.at, f.stage))
+        return min(found.values(), key=lambda f: (f.secondary, f.at, f.worker))
 
     def _fail(self, failure: _Failure) -> None:
         where = failure.where
         if where is None:
-            code = self._current[2 * failure.stage]
-            where = (OPS[code] if 0 <= code < len(OPS) else "?", self._current[2 * failure.stage + 1])
+            code = self._current[2 * failure.worker]
+            where = (OPS[code] if 0 <= code < len(OPS) else "?", self._current[2 * failure.worker + 1])
         op, mb = where
         self.close(force=True)
         at = f" at micro-batch {mb}" if op not in ("setup", "idle", "STEP", "?") and mb >= 0 else ""
-        raise OnnxpipeError(f"stage {failure.stage} failed{at} ({PHASES.get(op, op)}): {failure.error}")
+        spec = self.specs[failure.worker]
+        who = f"stage {spec.index}" + (f" (replica {spec.replica} of {spec.layout.count(spec.index)})" if spec.layout.count(spec.index) > 1 else "")
+        raise OnnxpipeError(f"{who} failed{at} ({PHASES.get(op, op)}): {failure.error}")
 
 
 def _reported(msg: tuple) -> _Failure:
-    """A worker's ("error", stage, op, micro-batch, detail, traceback, monotonic time, secondary) report."""
+    """A worker's ("error", worker, op, micro-batch, detail, traceback, monotonic time, secondary) report."""
     return _Failure(msg[1], (msg[2], msg[3]), msg[4], msg[6], msg[7])

@@ -1,8 +1,8 @@
 """All stages in one process, running the same lowered schedule tables as the workers: the engine of
 the tests and of the unpartitioned reference.
 
-Each step the driver posts the micro-batches' model inputs, then stages take turns: a stage runs
-actions until one would wait for data another stage has not sent yet.
+Each step the driver posts the micro-batches' model inputs, then workers (one per stage replica)
+take turns: a worker runs actions until one would wait for data another has not sent yet.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.schedule import Action
-from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec
+from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec, mean_loss
 from onnxpipe.train.transport import LocalTransport
 
 __all__ = ["LocalPipeline"]
@@ -24,7 +24,9 @@ class LocalPipeline:
         self.specs = tuple(specs)
         self.runners = [StageRunner(s) for s in self.specs]
         self._inboxes: dict[int, dict[tuple[str, int], np.ndarray]] = {}
-        self.programs = [StageProgram(r, LocalTransport(self._inboxes, s.index)) for r, s in zip(self.runners, self.specs)]
+        self.programs = [StageProgram(r, LocalTransport(self._inboxes, s.worker)) for r, s in zip(self.runners, self.specs)]
+        #: One runner per stage (its first replica): replicas hold identical weights.
+        self.stage_runners = [r for r in self.runners if r.spec.replica == 0]
         self._driver = LocalTransport(self._inboxes, -1)
 
     def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
@@ -43,16 +45,16 @@ class LocalPipeline:
                 break
             if not progress:
                 stuck = next(p for p, prog in enumerate(self.programs) if cursors[p] < len(prog.runner.spec.actions))
-                raise OnnxpipeError(f"pipeline stalled: stage {stuck} waits at {self.programs[stuck].runner.spec.actions[cursors[stuck]]}")
-        losses = [x for r in self.runners for x in r.take_losses()]
-        return float(np.mean(losses))
+                spec = self.specs[stuck]
+                raise OnnxpipeError(f"pipeline stalled: stage {spec.index} replica {spec.replica} waits at {spec.actions[cursors[stuck]]}")
+        return mean_loss(r.take_losses() for r in self.runners)
 
     def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Forward only; per micro-batch, every stage output (loss included)."""
         results: list[dict[str, np.ndarray]] = []
         for mb in microbatches:
             values = dict(mb)
-            for r in self.runners:
+            for r in self.stage_runners:
                 feeds = {x: values[x] for x in r.spec.graphs.inputs}
                 out = r.forward(0, feeds, train=False)
                 values.update(out)
@@ -72,10 +74,12 @@ class LocalPipeline:
 
     def state(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
         """Per stage: (parameters, optimizer state)."""
-        return [({k: v.copy() for k, v in r.params.items()}, r.optimizer.state()) for r in self.runners]
+        return [({k: v.copy() for k, v in r.params.items()}, r.optimizer.state()) for r in self.stage_runners]
 
     def load_state(self, states: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
-        for r, (params, opt) in zip(self.runners, states):
+        """Every replica of a stage gets that stage's state."""
+        for r in self.runners:
+            params, opt = states[r.spec.index]
             r.params = {k: np.array(v) for k, v in params.items()}
             r.optimizer.load_state(opt)
 
@@ -85,5 +89,6 @@ class LocalPipeline:
     def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
         for spec in self.specs:
             for i, mb in enumerate(microbatches):
-                for name in spec.wiring.model_inputs:
-                    self._driver.send(spec.index, name, i, mb[name])
+                if spec.layout.owner(spec.index, i) == spec.worker:
+                    for name in spec.wiring.model_inputs:
+                        self._driver.send(spec.worker, name, i, mb[name])

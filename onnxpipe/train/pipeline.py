@@ -1,6 +1,6 @@
 """`Pipeline`: the public face of pipelined training. From a model (planned on a target and split
-into a temporary stage directory) or from a stage directory; runs stages as worker processes (or
-in-process), and saves, loads and exports what it trained.
+into a temporary stage directory) or from a stage directory; runs stages as worker processes, one
+per stage replica (or in-process), and saves, loads and exports what it trained.
 
 Reading order: `Pipeline.__init__` -> `_stage_directory` -> train_step / evaluate -> metrics
 -> save / load / export.
@@ -63,7 +63,9 @@ class Pipeline:
         self.batch = microbatches * (self.inputs[0].shape[0] if self.inputs[0].shape else 1)
         threads = tuple(self._threads(target, s.devices) for s in self.manifest.stages)
         specs = prepare_stages(self.directory, self.manifest, self.config, threads)
-        self.stages = len(specs)
+        self.stages = len(self.manifest.stages)
+        #: Per worker: (stage, replica).
+        self.places = tuple((s.index, s.replica) for s in specs)
         self.step = 0
         self.losses: list[float] = []
         self._seconds: list[float] = []
@@ -151,7 +153,7 @@ class Pipeline:
         loss = self.engine.train_step(mbs)
         seconds = time.perf_counter() - start
         if before is not None:
-            self.last_events = step_events(start, [p.take_timings() for p in self.engine.programs])
+            self.last_events = step_events(start, [p.take_timings() for p in self.engine.programs], [s for s, _ in self.places])
             self._busy.append(tuple(r.busy_seconds - b for r, b in zip(self.engine.runners, before)))
             self._copy.append(tuple(0.0 for _ in before))
             self._copy_cpu.append(tuple(0.0 for _ in before))
@@ -184,26 +186,41 @@ class Pipeline:
         return self.engine.parameters()
 
     def metrics(self) -> dict[str, Any]:
-        """Measured numbers under the simulator's names (per-step medians after the first step)."""
+        """Measured numbers under the simulator's names (per-step medians after the first step).
+
+        Measurements are per worker; `stages` keeps one entry per stage whose figures are the largest
+        over its replicas, and `replicas` lists each replica's own (one entry for an unreplicated stage).
+        Fractions are over all workers: bubble = 1 - sum(busy) / (workers x step seconds)."""
         steady = slice(1, None) if len(self._seconds) > 1 else slice(None)
         seconds = statistics.median(self._seconds[steady]) if self._seconds else 0.0
         busy = [statistics.median(col) for col in zip(*self._busy[steady])] if self._busy else []
         copy = [statistics.median(col) for col in zip(*self._copy[steady])] if self._copy else []
         copy_cpu = [statistics.median(col) for col in zip(*self._copy_cpu[steady])] if self._copy_cpu else []
+        workers = len(self.places)
+        per_worker = [
+            {"replica": r, "busy_seconds": b, "transfer_seconds": c,
+             "peak_memory_bytes": self._peaks[w] if w < len(self._peaks) else None,
+             "peak_activation_bytes": self._stash_peaks[w] if w < len(self._stash_peaks) else None}
+            for w, ((_, r), b, c) in enumerate(zip(self.places, busy, copy))
+        ]
+        stages = []
+        for i in range(self.stages if per_worker else 0):
+            mine = [m for m, (s, _) in zip(per_worker, self.places) if s == i]
+            stage: dict[str, Any] = {"stage": i}
+            for key in ("busy_seconds", "transfer_seconds", "peak_memory_bytes", "peak_activation_bytes"):
+                values = [m[key] for m in mine if m[key] is not None]
+                stage[key] = max(values) if values else None
+            stage["replicas"] = mine
+            stages.append(stage)
         return {
             "losses": list(self.losses),
             "step_seconds": seconds,
             "iteration_seconds": seconds,
             "samples_per_s": self.batch / seconds if seconds else 0.0,
-            "bubble_fraction": max(0.0, 1 - sum(busy) / (self.stages * seconds)) if seconds else 0.0,
-            "transfer_fraction": sum(copy) / (self.stages * seconds) if seconds else 0.0,
-            "transfer_cpu_fraction": sum(copy_cpu) / (self.stages * seconds) if seconds else 0.0,
-            "stages": [
-                {"stage": i, "busy_seconds": b, "transfer_seconds": c,
-                 "peak_memory_bytes": self._peaks[i] if i < len(self._peaks) else None,
-                 "peak_activation_bytes": self._stash_peaks[i] if i < len(self._stash_peaks) else None}
-                for i, (b, c) in enumerate(zip(busy, copy))
-            ],
+            "bubble_fraction": max(0.0, 1 - sum(busy) / (workers * seconds)) if seconds else 0.0,
+            "transfer_fraction": sum(copy) / (workers * seconds) if seconds else 0.0,
+            "transfer_cpu_fraction": sum(copy_cpu) / (workers * seconds) if seconds else 0.0,
+            "stages": stages,
             "schedule": self.config.schedule,
             "microbatches": self.config.microbatches,
             "batch": self.batch,

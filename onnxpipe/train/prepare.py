@@ -13,8 +13,9 @@ import onnx
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
-from onnxpipe.schedule import add_communication, build
+from onnxpipe.schedule import add_communication, build, replicate
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
+from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.stage import StageSpec, Wiring
@@ -63,12 +64,19 @@ def model_inputs(manifest: Manifest, config: TrainConfig) -> tuple[StageInput, .
     return tuple(manifest.inputs) + extra
 
 
-def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfig, threads: tuple[int, ...] | None = None) -> tuple[StageSpec, ...]:
-    """Stage graphs built last stage first (a stage's gradient outputs depend on what later stages send back), wired, with their schedule rows."""
+def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfig, threads: tuple[int, ...] | None = None,
+                   replicas: tuple[int, ...] | None = None) -> tuple[StageSpec, ...]:
+    """Stage graphs built last stage first (a stage's gradient outputs depend on what later stages send back), wired, with their schedule rows.
+
+    One spec per worker, stage-major: a stage runs on as many replicas as its manifest devices
+    (or `replicas[stage]`), each with its share of the stage's schedule row (`schedule.replicate`);
+    a replica left without micro-batches (more replicas than micro-batches) adds zero gradients."""
     directory = Path(directory)
     loss = _loss_name(manifest, config)
     k = len(manifest.stages)
-    table = add_communication(build(config.schedule, k, config.microbatches))
+    layout = Layout(replicas or tuple(max(1, len(st.devices)) for st in manifest.stages))
+    _ensure_replicas(layout, k)
+    rows = replicate(add_communication(build(config.schedule, k, config.microbatches)), layout.replicas)
     graphs: dict[int, StageGraphs] = {}
     grad_readers: dict[str, list[int]] = {}
     models = {}
@@ -108,9 +116,15 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
             send_b=tuple((i, holder[i]) for i in g.grad_inputs),
             shared=tuple((p, tuple(x for x in shared[p] if x != st.index)) for p in g.trained if p in shared),
         )
-        specs.append(StageSpec(st.index, g, wiring, table[st.index], config.microbatches, config.optimizer,
-                               threads[st.index] if threads else config.threads))
+        for j in range(layout.count(st.index)):
+            specs.append(StageSpec(st.index, g, wiring, rows[layout.worker(st.index, j)], config.microbatches, config.optimizer,
+                                   threads[st.index] if threads else config.threads, j, layout))
     return tuple(specs)
+
+
+def _ensure_replicas(layout: Layout, stages: int) -> None:
+    if len(layout.replicas) != stages or min(layout.replicas) < 1:
+        raise OnnxpipeError(f"replicas {layout.replicas}: need a count of at least 1 for each of the {stages} stages")
 
 
 def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None = None) -> StageSpec:

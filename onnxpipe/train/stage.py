@@ -1,12 +1,18 @@
 """One stage at run time: its sessions, weights, gradient sums and stash (`StageRunner`), and the
 interpreter of its lowered schedule row (`StageProgram`), identical in-process and in a worker.
 
+A replicated stage runs one worker per replica (`StageSpec.replica`, `Layout`): each runs its own
+micro-batches, sends to and receives from the replica of the neighbouring stage that owns the same
+micro-batch, and at STEP sums its gradients with every other holder of the same weights (its
+replicas and, for tied weights, every replica of the other stages holding a copy).
+
 Reading order: `Wiring` -> `StageSpec` -> `StageRunner` (forward, backward, step) -> `StageProgram`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,10 +20,11 @@ import numpy as np
 from onnxpipe.ortutil import quiet_logger
 from onnxpipe.schedule import Action
 from onnxpipe.train.graphs import StageGraphs, grad_input_name, grad_name
+from onnxpipe.train.layout import Layout
 from onnxpipe.train.optimizer import Optimizer, OptimizerConfig
 from onnxpipe.train.transport import Transport, grad_key, shared_key
 
-__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session"]
+__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session", "mean_loss"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,23 @@ class StageSpec:
     wiring: Wiring
     #: This stage's row of the lowered schedule table.
     actions: tuple[Action, ...]
+    #: Micro-batches per step over all replicas (gradients are means over all of them).
     microbatches: int
     optimizer: OptimizerConfig
     threads: int = 1
+    #: Which replica of the stage this worker is, and every stage's replica count.
+    replica: int = 0
+    layout: Layout = Layout()
+
+    @property
+    def worker(self) -> int:
+        """This worker's transport address."""
+        return self.layout.worker(self.index, self.replica)
+
+    def holders(self, param: str) -> tuple[int, ...]:
+        """Workers holding a copy of a trained weight, in worker order: the gradient of each is summed at STEP."""
+        tied = dict(self.wiring.shared).get(param, ())
+        return tuple(w for s in sorted({self.index, *tied}) for w in self.layout.workers(s))
 
 
 def make_session(model: bytes, threads: int):  # -> onnxruntime.InferenceSession
@@ -119,8 +140,10 @@ class StageRunner:
         return dict(zip(g.grad_inputs, values[:n]))
 
     def mean_grads(self) -> dict[str, np.ndarray]:
-        """Gradients of the mean loss over the step's micro-batches."""
+        """Gradients of the mean loss over the step's micro-batches (zero for a replica that ran none)."""
         scale = np.float32(1.0 / self.spec.microbatches)
+        if not self.grads and self.spec.layout.count(self.spec.index) > 1:
+            return {k: np.zeros_like(self.params[k]) for k in self.spec.graphs.trained}
         return {k: v * scale for k, v in self.grads.items()}
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
@@ -129,10 +152,16 @@ class StageRunner:
         self.grads = {}
         self.busy_seconds += time.perf_counter() - start
 
-    def take_losses(self) -> list[float]:
-        out = [self.losses[i] for i in sorted(self.losses)]
-        self.losses = {}
+    def take_losses(self) -> dict[int, float]:
+        """Loss per micro-batch since the last call."""
+        out, self.losses = self.losses, {}
         return out
+
+
+def mean_loss(parts: Iterable[Mapping[int, float]]) -> float:
+    """Mean over micro-batches of the losses every worker computed, in micro-batch order (as one process would add them)."""
+    merged = {i: x for part in parts for i, x in part.items()}
+    return float(np.mean([merged[i] for i in sorted(merged)]))
 
 
 class StageProgram:
@@ -149,6 +178,9 @@ class StageProgram:
         self._outbox: dict[int, dict[str, np.ndarray]] = {}
         self._grads_in: dict[int, dict[str, np.ndarray]] = {}
         self._sent_shared = False
+        spec = runner.spec
+        #: Trained weights whose gradient is summed with other workers' copies, and those workers.
+        self._holders = {p: h for p in spec.graphs.trained if len(h := spec.holders(p)) > 1}
 
     def needs(self, action: Action) -> list[tuple[str, int]]:
         """Transport keys an action waits for (so a cooperative runner can tell whether it would block)."""
@@ -161,8 +193,8 @@ class StageProgram:
         if action.op == "RECV_B":
             return [(grad_key(t, src), i) for t, srcs in w.recv_b for src in srcs]
         if action.op == "STEP":
-            me = self.runner.spec.index
-            return [(shared_key(p, other), -1) for p, others in w.shared for other in others if other != me]
+            me = self.runner.spec.worker
+            return [(shared_key(p, h), -1) for p, holders in self._holders.items() for h in holders if h != me]
         return []
 
     def ready(self, action: Action) -> bool:
@@ -183,7 +215,7 @@ class StageProgram:
 
     def _perform(self, action: Action) -> None:
         w, r, i = self.runner.spec.wiring, self.runner, action.microbatch
-        me = r.spec.index
+        me, layout = r.spec.index, r.spec.layout
         if action.op == "RECV_F":
             self._inbox.setdefault(i, {}).update({t: self.transport.recv(t, i) for t, _ in w.recv_f})
         elif action.op == "F":
@@ -196,7 +228,7 @@ class StageProgram:
             out = self._outbox.pop(i)
             for t, dsts in w.send_f:
                 for dst in dsts:
-                    self.transport.send(dst, t, i, out[t])
+                    self.transport.send(layout.owner(dst, i), t, i, out[t])
         elif action.op == "RECV_B":
             got: dict[str, np.ndarray] = {}
             for t, srcs in w.recv_b:
@@ -208,16 +240,17 @@ class StageProgram:
         elif action.op == "SEND_B":
             out = self._outbox.pop(i)
             for t, src in w.send_b:
-                self.transport.send(src, grad_key(t, me), i, out[t])
+                self.transport.send(layout.owner(src, i), grad_key(t, me), i, out[t])
         elif action.op == "STEP":
             self._send_shared()
             grads = r.mean_grads()
-            for p, others in w.shared:
-                holders = sorted((me, *others))
-                parts = {h: grads[p] if h == me else self.transport.recv(shared_key(p, h), -1) for h in holders}
-                total = parts[holders[0]]
-                for h in holders[1:]:
-                    total = total + parts[h]
+            mine = r.spec.worker
+            for p, holders in self._holders.items():
+                # Every holder adds the same parts in the same (worker) order: the copies stay bit-identical.
+                parts = [grads[p] if h == mine else self.transport.recv(shared_key(p, h), -1) for h in holders]
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
                 grads[p] = total
             self._sent_shared = False
             r.step(grads)
@@ -225,10 +258,10 @@ class StageProgram:
     def _send_shared(self) -> None:
         if self._sent_shared:
             return
-        me = self.runner.spec.index
-        grads = self.runner.mean_grads() if self.runner.spec.wiring.shared else {}
-        for p, others in self.runner.spec.wiring.shared:
-            for other in others:
-                if other != me:
-                    self.transport.send(other, shared_key(p, me), -1, grads[p])
+        mine = self.runner.spec.worker
+        grads = self.runner.mean_grads() if self._holders else {}
+        for p, holders in self._holders.items():
+            for h in holders:
+                if h != mine:
+                    self.transport.send(h, shared_key(p, mine), -1, grads[p])
         self._sent_shared = True

@@ -19,11 +19,12 @@ __all__ = ["step_events", "write_report"]
 _KINDS = {"F": "F", "B": "B", "RECV_F": "RECV", "RECV_B": "RECV", "SEND_F": "SEND", "SEND_B": "SEND", "STEP": "STEP"}
 
 
-def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, float]]]) -> tuple[Event, ...]:
-    """Events from each stage's (op, micro-batch, start, end) perf_counter timings, in seconds from `start`."""
+def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, float]]], stages: Sequence[int] | None = None) -> tuple[Event, ...]:
+    """Events from each worker's (op, micro-batch, start, end) perf_counter timings, in seconds from `start`;
+    `stages[w]` is worker w's stage (default: worker w runs stage w)."""
     return tuple(
-        Event(stage, _KINDS[op], mb, t0 - start, t1 - start)
-        for stage, rows in enumerate(timings)
+        Event(stages[w] if stages is not None else w, _KINDS[op], mb, t0 - start, t1 - start)
+        for w, rows in enumerate(timings)
         for op, mb, t0, t1 in rows
     )
 

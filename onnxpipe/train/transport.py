@@ -39,7 +39,7 @@ def grad_key(tensor: str, sender: int) -> str:
 
 
 def shared_key(param: str, sender: int) -> str:
-    """Key of a tied parameter's accumulated gradient sent by stage `sender`."""
+    """Key of a weight's accumulated gradient sent by worker `sender` (to the other holders: tied copies, replicas)."""
     return f"shared:{sender}:{param}"
 
 

@@ -1,7 +1,7 @@
-"""The body of one stage's worker process: build the runner, then serve the driver's commands.
+"""The body of one worker process (a stage, or one replica of it): build the runner, then serve the driver's commands.
 
 Commands (driver -> worker queue): ("step",), ("evaluate", n), ("get",), ("set", params, state), ("stop",).
-Replies (one shared results queue): ("ready"|"done"|"outputs"|"state"|"error", stage, ...). An error
+Replies (one shared results queue): ("ready"|"done"|"outputs"|"state"|"error", worker, ...). An error
 carries `time.monotonic()` of the failure (system-wide on Linux) and whether it is a consequence of
 another stage's failure (`PeerGone`), so the driver can name the root cause.
 `current` (shared ints: op code, micro-batch) tells the driver where a worker was if it dies.
@@ -39,7 +39,7 @@ def peak_rss_bytes() -> int:
 def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, prefix: str, current: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and shuts workers down
     parent = os.getppid()
-    me = spec.index
+    me = spec.worker
     transport = ShmTransport(prefix, inboxes, me, alive=lambda: os.getppid() == parent)
     mark = (me * 2, me * 2 + 1)
     try:
@@ -63,14 +63,16 @@ def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, pref
             elif cmd[0] == "evaluate":
                 outputs = []
                 for i in range(cmd[1]):
+                    if spec.layout.owner(spec.index, i) != me:
+                        continue
                     current[mark[0]], current[mark[1]] = OPS.index("evaluate"), i
                     feeds = {t: transport.recv(t, i) for t, _ in spec.wiring.recv_f}
                     feeds.update({t: transport.recv(t, i) for t in spec.wiring.model_inputs})
                     out = runner.forward(i, feeds, train=False)
                     for t, dsts in spec.wiring.send_f:
                         for dst in dsts:
-                            transport.send(dst, t, i, out[t])
-                    outputs.append(out)
+                            transport.send(spec.layout.owner(dst, i), t, i, out[t])
+                    outputs.append((i, out))
                 current[mark[0]] = 0
                 results.put(("outputs", me, outputs))
             elif cmd[0] == "get":
