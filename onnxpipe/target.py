@@ -89,9 +89,10 @@ class Target:
     profile: bool
     #: The file it was read from.
     source: str
-    #: Cores the cpu devices (worker processes on one host) share; when more of them compute at once,
-    #: each runs at cores / computing of its speed. 0: every device has its own.
-    cores: int = 0
+    #: Cores' worth of throughput the cpu devices (worker processes on one host) share, measured (two
+    #: virtual CPUs need not give two cores); when more of them compute at once, each runs at
+    #: cores / computing of its speed. 0: every device has its own.
+    cores: float = 0
 
     def device(self, name: str) -> Device:
         """The device of a given instance name."""
@@ -235,10 +236,12 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
         _parse_link(table, origin, f"links[{i}]", counts) for i, table in enumerate(_ensure_table_list(doc, "links", origin))
     )
     _ensure_links(links, counts, origin)
-    cores = _ensure_int(doc, "cores", origin, "") if "cores" in doc else 0
+    cores = doc.get("cores", 0)
+    if isinstance(cores, bool) or not isinstance(cores, (int, float)) or ("cores" in doc and not cores > 0):
+        _fail(origin, "cores", f"expected a positive number (cores' worth of throughput, e.g. 1.8), got {cores!r}")
     if cores and not any(d.kind == "cpu" for d in devices):
         _fail(origin, "cores", "only cpu devices share cores; remove it or add cpu devices")
-    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=cores)
+    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores))
 
 
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:

@@ -148,7 +148,7 @@ BAD = [
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "-3 us"', r"devices\[0\]\.action_overhead: must be zero or more"),
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "3 GB"', r"devices\[0\]\.action_overhead: "),
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\nstep_overhead = "-1 ms"', r"devices\[0\]\.step_overhead: must be zero or more"),
-    ('name = "tiny"', 'name = "tiny"\ncores = 0', r": cores: expected a positive whole number"),
+    ('name = "tiny"', 'name = "tiny"\ncores = 0', r": cores: expected a positive number"),
     ('name = "tiny"', 'name = "tiny"\ncores = 2', r": cores: only cpu devices share cores"),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
