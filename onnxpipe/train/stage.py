@@ -177,7 +177,8 @@ class StageProgram:
         self._inbox: dict[int, dict[str, np.ndarray]] = {}
         self._outbox: dict[int, dict[str, np.ndarray]] = {}
         self._grads_in: dict[int, dict[str, np.ndarray]] = {}
-        self._sent_shared = False
+        #: This step's mean gradients once sent to the other holders (None until then).
+        self._sent: dict[str, np.ndarray] | None = None
         spec = runner.spec
         #: Trained weights whose gradient is summed with other workers' copies, and those workers.
         self._holders = {p: h for p in spec.graphs.trained if len(h := spec.holders(p)) > 1}
@@ -242,8 +243,7 @@ class StageProgram:
             for t, src in w.send_b:
                 self.transport.send(layout.owner(src, i), grad_key(t, me), i, out[t])
         elif action.op == "STEP":
-            self._send_shared()
-            grads = r.mean_grads()
+            grads = self._send_shared()
             mine = r.spec.worker
             for p, holders in self._holders.items():
                 # Every holder adds the same parts in the same (worker) order: the copies stay bit-identical.
@@ -252,16 +252,17 @@ class StageProgram:
                 for part in parts[1:]:
                     total = total + part
                 grads[p] = total
-            self._sent_shared = False
+            self._sent = None
             r.step(grads)
 
-    def _send_shared(self) -> None:
-        if self._sent_shared:
-            return
-        mine = self.runner.spec.worker
-        grads = self.runner.mean_grads() if self._holders else {}
-        for p, holders in self._holders.items():
-            for h in holders:
-                if h != mine:
-                    self.transport.send(h, shared_key(p, mine), -1, grads[p])
-        self._sent_shared = True
+    def _send_shared(self) -> dict[str, np.ndarray]:
+        """Send this worker's mean gradients of held-in-common weights to the other holders (once per
+        step); returns all its mean gradients."""
+        if self._sent is None:
+            mine = self.runner.spec.worker
+            self._sent = self.runner.mean_grads()
+            for p, holders in self._holders.items():
+                for h in holders:
+                    if h != mine:
+                        self.transport.send(h, shared_key(p, mine), -1, self._sent[p])
+        return self._sent
