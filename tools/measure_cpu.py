@@ -1,6 +1,7 @@
 """Measure this machine for the cpu targets (targets/cpu2.toml, cpu4.toml): one-thread GEMM rate,
 one-thread memory read bandwidth, shared-memory hand-off time between two processes (raw, and
-through the executor's own `ShmTransport`), onnxruntime's per-node dispatch cost, and the fixed cost
+through the executor's own `ShmTransport`), onnxruntime's per-node dispatch cost, the cores' worth of
+throughput worker processes side by side really get (`cores`: the 2 vCPUs need not be 2 cores), and the fixed cost
 of one forward and one backward action of the executor's `StageRunner` alone and inside two worker
 processes (`action_overhead`), and the driver's share of a step (`step_overhead`).
 
@@ -166,18 +167,20 @@ def transport_handoff_seconds(repeat: int = 200) -> dict[int, float]:
     return out
 
 
-def pipeline_overheads(steps: int = 40) -> tuple[float, float]:
-    """(action, step) overheads inside the executor: two worker processes train a one-layer, width-8
-    perceptron (kernels of a microsecond or two) on 4 micro-batches. Action: median F/B duration.
-    Step: median of the step's wall time (driver) minus the span of its actions (workers)."""
+def pipeline_overheads(stages: int, steps: int = 40) -> tuple[float, float, float]:
+    """(action, step, hop) costs inside the executor: `stages` worker processes train a perceptron of
+    `stages` width-8 layers (kernels of a microsecond or two) on 2 x stages micro-batches, GPipe.
+    Action: median F/B duration. Step: median of the step's wall time (driver) minus the span of its
+    actions (workers). Hop: median time from a SEND's start to the end of the RECV that was waiting
+    for it (the receiver blocked: copy in, queue message, wake-up, copy out)."""
     from onnxpipe import models
     from onnxpipe.train.fit import data_source
     from onnxpipe.train.optimizer import OptimizerConfig
     from onnxpipe.train.pipeline import Pipeline
 
-    model = models.build("mlp", train=True, layers=1, width=8, in_features=8, classes=4)
-    actions, outside = [], []
-    with Pipeline(model, "cpu2", stages=2, microbatches=4, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01)) as pipe:
+    model = models.build("mlp", train=True, layers=stages, width=8, in_features=8, classes=4)
+    actions, outside, hops = [], [], []
+    with Pipeline(model, f"cpu{stages}", stages=stages, microbatches=2 * stages, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01)) as pipe:
         source = data_source(pipe, "synthetic")
         for step in range(steps):
             start = time.perf_counter()
@@ -188,7 +191,55 @@ def pipeline_overheads(steps: int = 40) -> tuple[float, float]:
             events = pipe.last_events
             actions += [e.end - e.start for e in events if e.kind in ("F", "B")]
             outside.append(wall - (max(e.end for e in events) - min(e.start for e in events)))
-    return statistics.median(actions), statistics.median(outside)
+            sends = [e for e in events if e.kind == "SEND"]
+            hops += [r.end - s.start for r in events if r.kind == "RECV" for s in sends
+                     if s.microbatch == r.microbatch and abs(s.stage - r.stage) == 1 and r.start < s.start < r.end]
+    return statistics.median(actions), statistics.median(outside), statistics.median(hops)
+
+
+def _ort_chain(conn: Connection, runs: int) -> None:
+    """Time `runs` runs of a one-thread session of 8 chained 256x256 MatMul+Relu (the executor's kind of work)."""
+    nodes, x = [], "x"
+    weights = []
+    for i in range(8):
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        weights.append(helper.make_tensor(f"w{i}", TensorProto.FLOAT, [256, 256], np.random.rand(256 * 256).astype(np.float32) / 256))
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 256])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [64, 256])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feed = {"x": np.random.rand(64, 256).astype(np.float32)}
+    conn.recv()
+    start = time.perf_counter()
+    for _ in range(runs):
+        session.run(None, feed)
+    conn.send(time.perf_counter() - start)
+
+
+def effective_cores(processes: int = 2, runs: int = 300, repeat: int = 3) -> float:
+    """Cores' worth of throughput that `processes` one-thread onnxruntime workers get together:
+    processes x (time alone) / (time side by side), median of `repeat` trials."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+
+    def trial(n: int) -> float:
+        pipes = [ctx.Pipe() for _ in range(n)]
+        procs = [ctx.Process(target=_ort_chain, args=(theirs, runs)) for _, theirs in pipes]
+        for p in procs:
+            p.start()
+        for ours, _ in pipes:
+            ours.send("go")
+        seconds = max(ours.recv() for ours, _ in pipes)
+        for p in procs:
+            p.join()
+        return seconds
+
+    return statistics.median(processes * trial(1) / trial(processes) for _ in range(repeat))
 
 
 def main() -> None:
@@ -201,8 +252,12 @@ def main() -> None:
         print(f"ShmTransport hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
     forward, backward = action_seconds()
     print(f"StageRunner action of a one-node stage: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us (action_overhead)")
-    action, step = pipeline_overheads()
-    print(f"executor, 2 workers, 1-layer width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions {step * 1e6:.1f} us (step_overhead)")
+    print(f"effective cores of 2 one-thread onnxruntime workers side by side: {effective_cores(2):.2f}")
+    print(f"effective cores of 4 one-thread onnxruntime workers side by side: {effective_cores(4):.2f}")
+    for k in (2, 4):
+        action, step, hop = pipeline_overheads(k)
+        print(f"executor, {k} workers, width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions "
+              f"{step * 1e6:.1f} us (step_overhead), hop to a waiting receiver {hop * 1e6:.1f} us (link latency)")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
