@@ -4,7 +4,8 @@ Reading order: `profile_times` -> `_feeds` -> `_profile` (session + JSON trace -
 -> `_training_model` (loss + GradientGraphBuilder) -> `_backward_by_forward`.
 
 Graph optimizations are off so trace events keep the model's own node names; onnxruntime 1.19
-names gradient nodes `<forward node>_Grad/<op>_<i>`, which maps them back to forward nodes.
+names gradient nodes `<forward node>_Grad/<op>_<i>`, which maps them back to forward nodes. Forward
+times come from the gradient graph's run where it has the node (training's form of the node).
 Trace durations are whole microseconds: a kernel faster than that counts as half a microsecond.
 """
 
@@ -45,7 +46,11 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2) -> tuple[dict
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         forward = _profile(model, feeds, tmp, "forward", runs, warmup)
         training = _training_model(graph, model)
-        backward = _backward_by_forward(_profile(training, feeds, tmp, "backward", runs, warmup)) if training else {}
+        trained = _profile(training, feeds, tmp, "backward", runs, warmup) if training else {}
+    backward = _backward_by_forward(trained)
+    # Training runs a node's forward in its training form (MaxPool also returning the indices its
+    # gradient needs, several times slower): where the gradient graph ran it, that is its forward time.
+    forward.update({n: t for n, t in trained.items() if n in forward})
     compute = set(graph.compute_nodes)
     return {n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute}
 
