@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.models.layers import GraphBuilder

@@ -16,7 +16,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, shape_inference
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.protostream import is_streamable, raw_nbytes, read_model, skeleton

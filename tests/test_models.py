@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, numpy_helper, shape_inference
+from onnx import TensorProto, shape_inference
 
 from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError

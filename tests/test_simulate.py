@@ -205,7 +205,6 @@ def fpga_plan(k: int = 2, m: int = 4) -> Plan:
 
 
 def test_report_embeds_figures(tmp_path) -> None:
-    import onnx
     from onnx import TensorProto, helper
 
     from onnxpipe import report

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe import models
-from onnxpipe.chain import chain, run_pipeline, session
+from onnxpipe.chain import chain, run_pipeline
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.manifest import Manifest

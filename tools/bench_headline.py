@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from pathlib import Path
 
 from onnxpipe import models
@@ -20,9 +19,9 @@ from onnxpipe.plan import compare, fits, plan
 from onnxpipe.plan.result import Plan
 from onnxpipe.target import load_target
 from onnxpipe.units import format_bytes
+from benchdoc import write_section
 
 NAME = Path(__file__).stem
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MODELS = ("vgg16", "resnet50", "gnmt8", "gpt2")
 TARGETS = ("fpga4", "gpu4", "hetero")
 
@@ -78,7 +77,6 @@ def main() -> None:
             rows.extend(compare_one(model_name, target_name, args.time_limit))
             print(rows[-1], flush=True)
     lines = [
-        f"<!-- {NAME}:start -->",
         "## Headline: onnxpipe's plan against data parallelism, GPipe and PipeDream (predicted)",
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py --time-limit {args.time_limit:g}`. Full-size zoo models "
@@ -108,25 +106,11 @@ def main() -> None:
         "Best speedup per baseline: " + ", ".join(f"{b} {v:.2f}x" for b, v in best.items()) + ". "
         "For reference, the papers report BaPipe up to 3.2x speedup and 4x memory reduction; DAPPLE's planner up to "
         "3.23x over PipeDream's and 1.6x over GPipe with 12% less memory.",
-        f"<!-- {NAME}:end -->",
     ]
     section = "\n".join(lines)
     print(section)
-    write_section(section)
+    write_section(NAME, section)
 
-
-def write_section(section: str) -> None:
-    """Replace this tool's section of docs/benchmarks.md (or append it), atomically."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start, end = f"<!-- {NAME}:start -->", f"<!-- {NAME}:end -->"
-    if start in text and end in text:
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    tmp = DOC.with_name(DOC.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, DOC)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from onnxpipe.graph import load
 from onnxpipe.models import build, names
 from onnxpipe.plan import compare, fits, plan
 from onnxpipe.target import load_target
+from benchdoc import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "bench_plan"
@@ -75,7 +76,6 @@ def run(time_limit: float, models: list[str]) -> list[dict]:
 def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> str:
     baseline_names = ("uniform-nodes", "uniform-layers", "parameters", "pipedream")
     lines = [
-        f"<!-- {SECTION}:start -->",
         "## Planner: quality and solve time",
         "",
         f"Regenerate: `.venv/bin/python tools/bench_plan.py --time-limit {time_limit:g}` ({os.cpu_count()} cores, 1-minute load average "
@@ -115,22 +115,9 @@ def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> st
         + (f" (misses: {', '.join(misses[:8])}{' ...' if len(misses) > 8 else ''})" if misses else ""),
         f"- 10,000-node graphs within 2% of the solver's proven bound in at most 10 s: **{'holds' if large_ok else 'MISSED'}**; "
         f"within 2% of the first-principles lower bound: **{'holds' if large_lb else 'MISSED'}**",
-        f"<!-- {SECTION}:end -->",
     ]
     return "\n".join(lines)
 
-
-def write_section(text: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in old and end in old:
-        new = old[: old.index(start)] + text + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -142,7 +129,7 @@ def main() -> None:
     rows = run(args.time_limit, [m for m in args.models.split(",") if m])
     text = report(rows, args.time_limit, (start, os.getloadavg()[0]))
     print(text)
-    write_section(text)
+    write_section(SECTION, text)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan import plan_model
 from onnxpipe.simulate import plan_target, read_plan, simulate
 from onnxpipe.split import split
+from benchdoc import write_section
 
 NAME = Path(__file__).stem
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MODELS = ("mlp", "resnet-tiny", "inception-tiny", "transformer-tiny", "gpt2-tiny", "bert-tiny", "two-io")
 #: Stages and micro-batches per target: one stage per worker, 2 x stages micro-batches.
 SHAPES = {"cpu2": (2, 4), "cpu4": (4, 8)}
@@ -145,7 +145,6 @@ def main() -> None:
                             print(failures[-1], flush=True)
     within = sum(abs(r["error"]) <= GOAL for r in rows)
     lines = [
-        f"<!-- {NAME}:start -->",
         "## Simulator fidelity (predicted vs measured iteration time)",
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py --steps {args.steps} --repeat {args.repeat} --models {args.models} --targets {args.targets}` "
@@ -171,24 +170,10 @@ def main() -> None:
     lines += ["", f"Within 15%: **{within} of {len(rows)}** cases with the measured background, {within_quiet} of {len(rows)} "
               f"simulated as on a quiet machine. {NOTE}"]
     lines += [f"- not run: {f}" for f in failures]
-    lines.append(f"<!-- {NAME}:end -->")
     section = "\n".join(lines)
     print(section)
-    write_section(section)
+    write_section(NAME, section)
 
-
-def write_section(section: str) -> None:
-    """Replace this tool's section of docs/benchmarks.md (or append it), atomically."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start, end = f"<!-- {NAME}:start -->", f"<!-- {NAME}:end -->"
-    if start in text and end in text:
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    tmp = DOC.with_name(DOC.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, DOC)
 
 
 if __name__ == "__main__":

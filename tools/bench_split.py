@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from benchdoc import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "bench_split"
@@ -66,20 +67,6 @@ def even_plan(model: Path, out: Path) -> None:
     evaluate(problem, Assignment(groups, tuple((d.name,) for d in target.devices), (False,) * STAGES)).save(out)
 
 
-def write_section(text: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    block = f"{start}\n{text.rstrip()}\n{end}"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in old and end in old:
-        new = old[: old.index(start)] + block + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new)
-    tmp.replace(path)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -122,7 +109,7 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    write_section(text)
+    write_section(SECTION, text)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.pipeline import Pipeline
 from onnxpipe.train.prepare import TrainConfig, prepare_single
 from onnxpipe.units import format_bytes
+from benchdoc import write_section
 
 NAME = Path(__file__).stem
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 CASES = [("gpt2-tiny", "cpu2", 2, 4), ("gpt2-tiny", "cpu2", 2, 8), ("resnet-tiny", "cpu2", 2, 8), ("gpt2-tiny", "cpu4", 4, 8)]
 
 
@@ -72,7 +72,6 @@ def main() -> None:
         })
         print(rows[-1], flush=True)
     lines = [
-        f"<!-- {NAME}:start -->",
         "## Pipelined training (measured)",
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py` ({args.steps} steps per run, medians after the first step; "
@@ -89,20 +88,10 @@ def main() -> None:
     lines += ["", "Bubble measured = 1 - sum of stage busy time / (k x step time): it also counts transfer, driver and scheduling overheads, "
               "so it sits above the ideal (k-1)/(m+k-1). Transfer share = time in the transport (copy into a reused shared-memory slot, "
               "header on the receiver's pipe, zero-copy read) / (k x step time), as wall-clock time (which on a loaded machine also counts "
-              "preemption inside those calls) and as the calling thread's CPU time (the transport's own cost).",
-              f"<!-- {NAME}:end -->"]
+              "preemption inside those calls) and as the calling thread's CPU time (the transport's own cost)."]
     section = "\n".join(lines)
     print(section)
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    start, end = f"<!-- {NAME}:start -->", f"<!-- {NAME}:end -->"
-    if start in text and end in text:
-        text = text[: text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    tmp = DOC.with_name(DOC.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, DOC)
+    write_section(NAME, section)
 
 
 if __name__ == "__main__":
