@@ -6,7 +6,6 @@ Reading order: `chain` -> `check_feeds` -> `run_pipeline` -> `_StageWorker`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import zipfile
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import atomic_path
 from onnxpipe.manifest import Manifest, Stage, StageInput
 
 __all__ = ["chain", "run_pipeline", "check_feeds", "session", "read_npz", "write_npz"]
@@ -145,11 +145,8 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def write_npz(arrays: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
     """Write atomically: a temp file beside the target, then renamed."""
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp.npz")
     try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **arrays)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise OnnxpipeError(f"{target}: cannot write ({exc.strerror}); choose another -o") from exc

@@ -28,7 +28,6 @@ an If its costlier branch (only one runs).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -42,6 +41,7 @@ from onnx import helper, numpy_helper
 
 from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, MissingShape, forward_flops, op_class
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
 
 __all__ = [
@@ -451,10 +451,8 @@ def write_summary(costs: Costs, path: str | os.PathLike) -> None:
         "nodes": {name: asdict(c) for name, c in costs.nodes.items()},
     }
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
+        write_json(path, data)
     except OSError as exc:
         raise OnnxpipeError(f"{path}: cannot write the cost summary ({exc.strerror}); choose a writable --json path") from exc

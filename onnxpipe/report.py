@@ -8,7 +8,6 @@ functions only, so importing onnxpipe never pulls it in.
 from __future__ import annotations
 
 import base64
-import contextlib
 import html
 import io
 import os
@@ -18,6 +17,7 @@ from typing import Any
 
 from onnxpipe.cost import Costs
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import write_bytes
 from onnxpipe.graph import Graph
 from onnxpipe.plan.result import Plan
 from onnxpipe.simulate import Event, Simulation
@@ -64,8 +64,8 @@ def write(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for name, data in pngs.items():
-            written.append(_atomic_write(path.with_name(f"report_{name}.png"), data))
-        written.append(_atomic_write(path, page.encode("utf-8")))
+            written.append(write_bytes(path.with_name(f"report_{name}.png"), data))
+        written.append(write_bytes(path, page.encode("utf-8")))
     except OSError as exc:  # all or nothing: drop the figures already written
         for done in written:
             done.unlink(missing_ok=True)
@@ -257,18 +257,6 @@ def _png(fig: Any) -> bytes:
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     return buffer.getvalue()
-
-
-def _atomic_write(path: Path, data: bytes) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _devices(devices: tuple[str, ...]) -> str:

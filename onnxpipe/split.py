@@ -12,7 +12,6 @@ fresh ModelProto, its large initializers' bytes are streamed from the source mod
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ import onnx
 from onnx import helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import atomic_path, swap_in
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
 from onnxpipe.protostream import inline_external_data, is_streamable, raw_nbytes, skeleton, write_model
@@ -219,22 +219,10 @@ def _temp_dir(target: Path) -> Path:
 
 
 def _publish(tmp: Path, target: Path, force: bool) -> None:
-    """Rename the finished directory into place; an old one (with force) is renamed away first and
-    deleted only once the new one is in."""
-    old = None
-    if target.is_dir():
-        if any(target.iterdir()) and not force:
-            raise OnnxpipeError(f"{target}: exists and is not empty; pass --force to replace it or choose another -o")
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.absolute().parent))
-        os.replace(target, old / "dir")
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        if old is not None:
-            os.replace(old / "dir", target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Rename the finished directory into place (an old one only with force)."""
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise OnnxpipeError(f"{target}: exists and is not empty; pass --force to replace it or choose another -o")
+    swap_in(tmp, target)
 
 
 def _value_info(graph: Graph, name: str, originals: dict[str, onnx.ValueInfoProto]) -> onnx.ValueInfoProto:
@@ -447,12 +435,9 @@ def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
             entry = next((p for p in node.metadata_props if p.key == STAGE_METADATA_KEY), None) or node.metadata_props.add()
             entry.key, entry.value = STAGE_METADATA_KEY, assignment[node.name]
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
     external = sum(raw_nbytes(t) for t in large) > _EXTERNAL_DATA_BYTES
     try:
-        write_model(model, tmp, large, external_data=f"{target.name}.data" if external else None)
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            write_model(model, tmp, large, external_data=f"{target.name}.data" if external else None)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise OnnxpipeError(f"{target}: cannot write the annotated model ({exc.strerror}); choose another --annotated path") from exc

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import write_json
 
 __all__ = ["Memory", "StagePlan", "SolveInfo", "Candidate", "Plan", "PLAN_FORMAT"]
 
@@ -158,14 +158,9 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a reader never sees half a plan."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(self.to_json(), indent=2))
-            os.replace(tmp, path)
+            write_json(path, self.to_json())
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise OnnxpipeError(f"{path}: cannot write the plan ({exc.strerror}); choose a writable -o path") from exc
 
     @classmethod

@@ -1,0 +1,57 @@
+"""Writes that a reader never sees half done: a temp file or directory beside the destination, then a rename.
+
+One place for it so every command keeps the promise "no half-written output" the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_path", "write_bytes", "write_json", "swap_in"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `path` to write to; it replaces `path` when the block ends without an
+    error and is removed otherwise. The rename stays on one file system, so it is atomic."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    return write_bytes(path, json.dumps(data, indent=2).encode())
+
+
+def swap_in(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put a finished directory in place of `target`: an old one is renamed away first and deleted
+    only once the new one is in, and put back if the rename fails."""
+    tmp, target = Path(tmp), Path(target)
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    old = target.with_name(f".{target.name}.old{os.getpid()}")
+    os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
