@@ -15,16 +15,23 @@ on one host) the sending process does the copying, so it is blocked until its tr
 other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
 devices share that many cores (less what `background` work takes, see `_Cores`): n processes
 computing at once each run at min(1, cores / n) speed.
-A replicated stage sends and receives one shard per replica pair. STEP is the gradient all-reduce
-of a replicated stage (ring over its devices) followed by the optimizer step (one pass over
+A replicated stage runs one worker per device, as the executor does: replica j of stage s runs
+the micro-batches i with i % r == j (`schedule.replicate`) at the full per-micro-batch time (a
+plan's per-micro-batch seconds of a replicated stage are throughput figures, busy / r), and
+receives each from, and sends each to, the replica of the neighbouring stage that owns it. STEP
+waits for every replica of its stage, then runs the gradient all-reduce (ring over its devices)
+and the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth). The iteration ends the
 devices' `step_overhead` after the last STEP (the driver's share of a step: posting, starting, collecting).
 
 Definitions shared with the executor's measurements:
 - `iteration_seconds`: from the first action to the end of the last STEP, plus the step overhead.
 - `busy_seconds[s]`: seconds stage s spends computing: F, B and the optimizer step (not
-  transfers, not all-reduce). Replicas of a stage run in lockstep, so one number per stage.
-- `bubble_fraction = 1 - sum(busy_seconds) / (k * iteration_seconds)`, k = number of stages.
+  transfers, not all-reduce); for a replicated stage the largest over its replicas, each
+  replica's own in `replica_busy_seconds[s]` (JSON: the stage entry's `replicas` list).
+- `peak_memory_bytes[s]`: likewise the largest over the stage's replicas.
+- `bubble_fraction = 1 - sum of every worker's busy seconds / (workers * iteration_seconds)`,
+  one worker per (stage, replica).
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class Event:
     microbatch: int
     start: float
     end: float
+    #: Which replica of the stage (0 when it is not replicated).
+    replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,9 +81,9 @@ class Simulation:
     iteration_seconds: float
     #: batch / iteration_seconds.
     samples_per_s: float
-    #: 1 - sum(busy_seconds) / (stages * iteration_seconds): the share of stage time without compute.
+    #: 1 - sum(busy) / (workers * iteration_seconds) over every (stage, replica): the share of worker time without compute.
     bubble_fraction: float
-    #: Per stage: seconds of compute (F, B, optimizer step) in the iteration.
+    #: Per stage: seconds of compute (F, B, optimizer step) in the iteration (the most over its replicas).
     busy_seconds: tuple[float, ...]
     #: Per stage: peak bytes on one of its devices (parameters + gradients + optimizer + live activations).
     peak_memory_bytes: tuple[float, ...]
@@ -85,8 +94,11 @@ class Simulation:
     #: Per stage: its device instance names.
     devices: tuple[tuple[str, ...], ...]
     events: tuple[Event, ...]
-    #: Per stage: (time, bytes) samples of a step function, starting at (0, static memory).
+    #: Per stage: (time, bytes) samples of a step function, starting at (0, static memory), of its fullest replica.
     memory: tuple[tuple[tuple[float, float], ...], ...]
+    #: Per stage, per replica: busy seconds and peak bytes.
+    replica_busy_seconds: tuple[tuple[float, ...], ...] = ()
+    replica_peak_memory_bytes: tuple[tuple[float, ...], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The figures `onnxpipe train --json` reports, under the same names and layout, plus the timeline."""
@@ -104,10 +116,14 @@ class Simulation:
                     "busy_seconds": self.busy_seconds[s],
                     "peak_memory_bytes": self.peak_memory_bytes[s],
                     "capacity_bytes": self.capacity_bytes[s],
+                    "replicas": [
+                        {"replica": j, "busy_seconds": b, "peak_memory_bytes": m}
+                        for j, (b, m) in enumerate(zip(self.replica_busy_seconds[s], self.replica_peak_memory_bytes[s]))
+                    ],
                 }
                 for s in range(len(self.devices))
             ],
-            "events": [[e.stage, e.kind, e.microbatch, e.start, e.end] for e in self.events],
+            "events": [[e.stage, e.kind, e.microbatch, e.start, e.end, e.replica] for e in self.events],
         }
 
 
@@ -147,11 +163,13 @@ def simulate(
     table = sched.build(name, len(plan.stages), m)
     costs = tuple(_stage_cost(plan, stage, target, m) for stage in plan.stages)
     events, memory, end = _run(plan, target, table, costs, background)
-    busy = tuple(
-        sum(e.end - e.start for e in events if e.stage == s and e.kind in _COMPUTE) for s in range(len(plan.stages))
-    )
+    places = _places(plan)
+    busy_w = [sum(e.end - e.start for e in events if (e.stage, e.replica) == place and e.kind in _COMPUTE) for place in places]
+    peak_w = [max(b for _, b in samples) for samples in memory]
+    mine = [[w for w, (s, _) in enumerate(places) if s == i] for i in range(len(plan.stages))]
+    fullest = [max(ws, key=lambda w: peak_w[w]) for ws in mine]
     iteration = end + max(target.device(d).step_overhead for stage in plan.stages for d in stage.devices)
-    bubble = 1.0 - sum(busy) / (len(plan.stages) * iteration) if iteration > 0 else 0.0
+    bubble = 1.0 - sum(busy_w) / (len(places) * iteration) if iteration > 0 else 0.0
     return Simulation(
         schedule=name,
         microbatches=m,
@@ -159,14 +177,21 @@ def simulate(
         iteration_seconds=iteration,
         samples_per_s=plan.batch / iteration if iteration > 0 else math.inf,
         bubble_fraction=bubble,
-        busy_seconds=busy,
-        peak_memory_bytes=tuple(max(b for _, b in samples) for samples in memory),
+        busy_seconds=tuple(max(busy_w[w] for w in ws) for ws in mine),
+        peak_memory_bytes=tuple(peak_w[w] for w in fullest),
         static_memory_bytes=tuple(_static_bytes(s) for s in plan.stages),
         capacity_bytes=tuple(s.memory.capacity for s in plan.stages),
         devices=tuple(s.devices for s in plan.stages),
         events=events,
-        memory=memory,
+        memory=tuple(memory[w] for w in fullest),
+        replica_busy_seconds=tuple(tuple(busy_w[w] for w in ws) for ws in mine),
+        replica_peak_memory_bytes=tuple(tuple(peak_w[w] for w in ws) for ws in mine),
     )
+
+
+def _places(plan: Plan) -> list[tuple[int, int]]:
+    """(stage, replica) of every worker, stage-major (the executor's worker order)."""
+    return [(s, j) for s, stage in enumerate(plan.stages) for j in range(len(stage.devices))]
 
 
 def read_plan(path: str | os.PathLike) -> Plan:
@@ -204,17 +229,20 @@ def _static_bytes(stage: StagePlan) -> float:
 
 
 def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageCost:
+    """Per micro-batch on one replica. A replicated stage's plan times and stash are per-micro-batch
+    shares (busy / r); a replica runs whole micro-batches, so it takes r times as long per micro-batch."""
     scale = plan.microbatches / m
+    whole = scale * len(stage.devices)
     stash, during = stash_bytes(plan, stage)
     bandwidth = min(target.device(d).memory_bandwidth for d in stage.devices)
     step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
     overhead = max(target.device(d).action_overhead for d in stage.devices)
     return _StageCost(
-        forward=stage.forward_seconds * scale + overhead,
-        backward=stage.backward_seconds * scale + overhead,
+        forward=stage.forward_seconds * whole + overhead,
+        backward=stage.backward_seconds * whole + overhead,
         out_bytes=stage.comm_out_bytes * scale,
-        stash=stash * scale,
-        during_backward=during * scale,
+        stash=stash * whole,
+        during_backward=during * whole,
         allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients),
         step=step_bytes / bandwidth,
     )
@@ -286,16 +314,16 @@ class _Cores:
 
     def __init__(self, plan: Plan, target: Target, background: float) -> None:
         self.cores = max(target.cores - background, target.cores / (1 + background))
-        self.shared = tuple(target.cores > 0 and all(target.device(d).kind == "cpu" for d in st.devices) for st in plan.stages)
-        self._processes = tuple(len(st.devices) for st in plan.stages)
-        #: stage -> [seconds of work left at full speed, what to report when done].
+        #: Per worker (stage-major): whether it computes on the shared cores.
+        self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
+        #: worker -> [seconds of work left at full speed, what to report when done].
         self.active: dict[int, list[Any]] = {}
 
-    def start(self, stage: int, work: float, key: Any) -> None:
-        self.active[stage] = [work, key]
+    def start(self, worker: int, work: float, key: Any) -> None:
+        self.active[worker] = [work, key]
 
     def _rate(self) -> float:
-        return min(1.0, self.cores / sum(self._processes[s] for s in self.active))
+        return min(1.0, self.cores / len(self.active))
 
     def next_time(self, now: float) -> float:
         if not self.active:
@@ -303,7 +331,7 @@ class _Cores:
         return now + min(w for w, _ in self.active.values()) / self._rate()
 
     def advance(self, now: float, later: float) -> list[tuple[int, Any]]:
-        """Do the work from now to later; return (stage, key) of the actions finished by `later`."""
+        """Do the work from now to later; return (worker, key) of the actions finished by `later`."""
         if not self.active:
             return []
         rate = self._rate()
@@ -313,102 +341,107 @@ class _Cores:
         return [(s, self.active.pop(s)[1]) for s in done]
 
 
-def _shards(src: tuple[str, ...], dst: tuple[str, ...]) -> list[tuple[str, str, float]]:
-    """(src device, dst device, fraction) pairs moving one micro-batch between two (replicated) stages."""
-    n = max(len(src), len(dst))
-    return [(src[i % len(src)], dst[i % len(dst)], 1.0 / n) for i in range(n)]
-
-
 def _run(
     plan: Plan, target: Target, table: sched.Table, costs: tuple[_StageCost, ...], background: float
 ) -> tuple[tuple[Event, ...], tuple[tuple[tuple[float, float], ...], ...], float]:
-    """The event loop: advance every stage as far as it can at `now`, then jump to the next event."""
-    lowered = sched.add_communication(table)
-    k = len(lowered)
-    cursor = [0] * k
-    free_at = [0.0] * k
+    """The event loop over one row per worker (stage, replica): advance every worker as far as it can at
+    `now`, then jump to the next event. Returns the events, memory samples per worker and the end time."""
+    places = _places(plan)
+    rows = sched.replicate(sched.add_communication(table), tuple(len(st.devices) for st in plan.stages))
+    first = {s: places.index((s, 0)) for s in range(len(plan.stages))}
+
+    def owner(stage: int, mb: int) -> int:
+        return first[stage] + mb % len(plan.stages[stage].devices)
+
+    n = len(rows)
+    cursor = [0] * n
+    free_at = [0.0] * n
     #: A sender on a copying ("shm") link waits for its transfer's arrival before its next action.
-    blocked_on: list[tuple[str, int, int] | None] = [None] * k
-    #: Shards still travelling per transfer key ("F"|"B", receiving stage, micro-batch).
-    pending: dict[tuple[str, int, int], int] = {}
+    blocked_on: list[tuple[str, int, int] | None] = [None] * n
+    #: Transfer key ("F"|"B", receiving stage, micro-batch) -> start, arrival.
     started: dict[tuple[str, int, int], float] = {}
     arrived: dict[tuple[str, int, int], float] = {}
+    #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
+    at_step: set[int] = set()
     events: list[Event] = []
-    live = [_static_bytes(s) for s in plan.stages]
+    live = [_static_bytes(plan.stages[s]) for s, _ in places]
     memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in live]
     links = _Links(target)
     cores = _Cores(plan, target, background)
     now = 0.0
 
-    def mem(s: int, t: float, delta: float) -> None:
-        live[s] += delta
-        memory[s].append((t, live[s]))
+    def mem(w: int, t: float, delta: float) -> None:
+        live[w] += delta
+        memory[w].append((t, live[w]))
 
-    def finish(s: int, op: str, mb: int, start: float, end: float) -> None:
-        free_at[s] = end
-        events.append(Event(s, op, mb, start, end))
+    def finish(w: int, op: str, mb: int, start: float, end: float) -> None:
+        s, j = places[w]
+        free_at[w] = end
+        events.append(Event(s, op, mb, start, end, j))
         if op == "B":
-            mem(s, end, -costs[s].stash - costs[s].during_backward)
+            mem(w, end, -costs[s].stash - costs[s].during_backward)
 
     while True:
         progressed = True
         while progressed:
             progressed = False
-            for s in range(k):
-                while cursor[s] < len(lowered[s]) and free_at[s] <= now:
-                    if blocked_on[s] is not None:
-                        if blocked_on[s] not in arrived:
+            for w in range(n):
+                s, j = places[w]
+                device = plan.stages[s].devices[j]
+                while cursor[w] < len(rows[w]) and free_at[w] <= now:
+                    if blocked_on[w] is not None:
+                        if blocked_on[w] not in arrived:
                             break
-                        blocked_on[s] = None
-                    a, c = lowered[s][cursor[s]], costs[s]
+                        blocked_on[w] = None
+                    a, c = rows[w][cursor[w]], costs[s]
                     if a.op in ("RECV_F", "RECV_B"):
                         key = (a.op[-1], s, a.microbatch)
                         if key not in arrived:
                             break
-                        events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key]))
+                        events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key], j))
                     elif a.op in ("SEND_F", "SEND_B"):
                         kind, peer = ("F", s + 1) if a.op == "SEND_F" else ("B", s - 1)
                         key = (kind, peer, a.microbatch)
                         nbytes = c.out_bytes if kind == "F" else costs[peer].out_bytes
-                        shards = _shards(plan.stages[s].devices, plan.stages[peer].devices)
-                        pending[key], started[key] = len(shards), now
-                        for src, dst, share in shards:
-                            links.start(now, src, dst, nbytes * share, key)
-                        if any(src != dst and target.link(src, dst).topology == "shm" for src, dst, _ in shards):
-                            blocked_on[s] = key
+                        dst = plan.stages[peer].devices[places[owner(peer, a.microbatch)][1]]
+                        started[key] = now
+                        links.start(now, device, dst, nbytes, key)
+                        if device != dst and target.link(device, dst).topology == "shm":
+                            blocked_on[w] = key
                     elif a.op in ("F", "B"):
-                        mem(s, now, c.stash if a.op == "F" else c.during_backward)
+                        mem(w, now, c.stash if a.op == "F" else c.during_backward)
                         work = c.forward if a.op == "F" else c.backward
-                        if cores.shared[s]:
-                            cores.start(s, work, (a.op, a.microbatch, now))
-                            free_at[s] = math.inf
+                        if cores.shared[w]:
+                            cores.start(w, work, (a.op, a.microbatch, now))
+                            free_at[w] = math.inf
                         else:
-                            finish(s, a.op, a.microbatch, now, now + work)
+                            finish(w, a.op, a.microbatch, now, now + work)
                     else:  # STEP
+                        at_step.add(w)
+                        if any(owner(s, i) not in at_step for i in range(len(plan.stages[s].devices))):
+                            break
                         if c.allreduce > 0:
-                            events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce))
-                        free_at[s] = now + c.allreduce + c.step
-                        events.append(Event(s, "STEP", -1, now + c.allreduce, free_at[s]))
-                    cursor[s] += 1
+                            events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce, j))
+                        free_at[w] = now + c.allreduce + c.step
+                        events.append(Event(s, "STEP", -1, now + c.allreduce, free_at[w], j))
+                    cursor[w] += 1
                     progressed = True
-        if all(cursor[s] == len(lowered[s]) for s in range(k)):
+        if all(cursor[w] == len(rows[w]) for w in range(n)):
             break
         later = min([t for t in free_at if t > now] + [links.next_time(now), cores.next_time(now)])
         if math.isinf(later):
-            stuck = next(s for s in range(k) if cursor[s] < len(lowered[s]))
-            raise OnnxpipeError(f"simulation stalled: stage {stuck} waits forever at {lowered[stuck][cursor[stuck]]}")
-        for s, (op, mb, start) in cores.advance(now, later):
-            finish(s, op, mb, start, later)
+            stuck = next(w for w in range(n) if cursor[w] < len(rows[w]))
+            raise OnnxpipeError(f"simulation stalled: stage {places[stuck][0]} waits forever at {rows[stuck][cursor[stuck]]}")
+        for w, (op, mb, start) in cores.advance(now, later):
+            finish(w, op, mb, start, later)
         for key in links.advance(now, later):
-            pending[key] -= 1
-            if pending[key] == 0:
-                arrived[key] = later
-                kind, receiver, mb = key
-                sender = receiver - 1 if kind == "F" else receiver + 1
-                events.append(Event(sender, "SEND", mb, started[key], later))
+            arrived[key] = later
+            kind, receiver, mb = key
+            sender = owner(receiver - 1 if kind == "F" else receiver + 1, mb)
+            events.append(Event(places[sender][0], "SEND", mb, started[key], later, places[sender][1]))
         now = later
     end = max(free_at)
     # Changes at one instant (a backward freeing, the next forward stashing) become one sample.
     memory = [[p for i, p in enumerate(samples) if i + 1 == len(samples) or samples[i + 1][0] != p[0]] for samples in memory]
-    events.sort(key=lambda e: (e.stage, e.start, e.kind))
+    events.sort(key=lambda e: (e.stage, e.replica, e.start, e.kind))
     return tuple(events), tuple(tuple(m) for m in memory), end

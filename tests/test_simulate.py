@@ -15,6 +15,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
 from onnxpipe.simulate import plan_target, simulate
 from onnxpipe.target import Device, Link, Target
+from onnxpipe.train.timeline import step_events
 
 GIB = 2.0**30
 
@@ -126,15 +127,38 @@ def test_latency_and_bandwidth_add_to_each_hop() -> None:
 
 def test_replicated_stage_adds_allreduce_before_step() -> None:
     target = make_target(3, bandwidth=1e9)
-    plain = make_plan(2, 2, devices=(("acc_0",), ("acc_1",)))
-    replicated = make_plan(2, 2, params=1e9, devices=(("acc_0", "acc_2"), ("acc_1",)))
-    a, b = simulate(plain, target), simulate(replicated, target)
+    devices = (("acc_0", "acc_2"), ("acc_1",))
+    a, b = simulate(make_plan(2, 2, devices=devices), target), simulate(make_plan(2, 2, params=1e9, devices=devices), target)
     allreduce = target.allreduce_seconds(("acc_0", "acc_2"), 1e9)
     assert allreduce > 0
     assert b.iteration_seconds == pytest.approx(a.iteration_seconds + allreduce)
-    (event,) = [e for e in b.events if e.kind == "ALLREDUCE"]
-    step = next(e for e in b.events if e.kind == "STEP" and e.stage == 0)
-    assert (event.stage, event.end) == (0, pytest.approx(step.start))
+    # Both replicas all-reduce together, once the later one reaches its STEP.
+    events = sorted((e for e in b.events if e.kind == "ALLREDUCE"), key=lambda e: e.replica)
+    steps = sorted((e for e in b.events if e.kind == "STEP" and e.stage == 0), key=lambda e: e.replica)
+    last_backward = max(e.end for e in b.events if e.kind == "B" and e.stage == 0)
+    assert [(e.stage, e.replica) for e in events] == [(0, 0), (0, 1)]
+    assert all(e.start == pytest.approx(last_backward) and e.end == pytest.approx(st.start) for e, st in zip(events, steps))
+
+
+def test_replicas_run_whole_microbatches_round_robin() -> None:
+    # A replicated stage's plan times are per-micro-batch shares (busy / r): 0.5 s + 1 s on 2 replicas
+    # is 1 s + 2 s per whole micro-batch on one replica, as the executor runs them.
+    target = make_target(3)
+    sim = simulate(make_plan(1, 4, forward=0.5, backward=1.0, devices=(("acc_0", "acc_1"),)), target)
+    forwards = sorted((e.replica, e.microbatch, e.end - e.start) for e in sim.events if e.kind == "F")
+    assert forwards == [(0, 0, 1.0), (0, 2, 1.0), (1, 1, 1.0), (1, 3, 1.0)]
+    # Throughput is what divides: the steady state per micro-batch is the plan's busy time.
+    assert sim.iteration_seconds == pytest.approx(4 * 1.5)
+    assert sim.replica_busy_seconds == ((6.0, 6.0),) and sim.bubble_fraction == pytest.approx(0.0)
+    assert [r["replica"] for r in sim.to_json()["stages"][0]["replicas"]] == [0, 1]
+    # Micro-batches that do not divide evenly: replica 0 runs two whole ones, replica 1 one.
+    odd = simulate(make_plan(1, 3, forward=0.5, backward=1.0, devices=(("acc_0", "acc_1"),)), target)
+    assert odd.iteration_seconds == pytest.approx(2 * 3.0) and odd.replica_busy_seconds == ((6.0, 3.0),)
+    # Hybrid: a replicated first stage sends each micro-batch from the replica that ran it.
+    sim = simulate(make_plan(2, 4, comm_bytes=1e6, devices=(("acc_0", "acc_2"), ("acc_1",))), target)
+    sends = {(e.microbatch, e.replica) for e in sim.events if e.kind == "SEND" and e.stage == 0}
+    assert sends == {(i, i % 2) for i in range(4)}
+    assert len(sim.replica_peak_memory_bytes[0]) == 2 and sim.peak_memory_bytes[0] == max(sim.replica_peak_memory_bytes[0])
 
 
 def test_one_f_one_b_holds_less_activation_memory_than_gpipe() -> None:
@@ -286,3 +310,10 @@ def test_cpu_stages_share_the_targets_cores() -> None:
     # Three on two cores leave the workers half a core together: every forward at half speed or less.
     sim = simulate(plan, replace(cpus, cores=2), background=3.0)
     assert sim.iteration_seconds == pytest.approx(2.0 + 4.0 + 2.0)
+
+
+def test_measured_events_name_their_replica() -> None:
+    # Workers are stage-major: stage 0 on two replicas, then stage 1.
+    timings = [[("F", 0, 1.0, 2.0)], [("F", 1, 1.0, 2.0)], [("B", 0, 3.0, 4.0)]]
+    events = step_events(1.0, timings, [0, 0, 1])
+    assert [(e.stage, e.replica, e.kind, e.start) for e in events] == [(0, 0, "F", 0.0), (0, 1, "F", 0.0), (1, 0, "B", 2.0)]

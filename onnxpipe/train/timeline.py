@@ -21,9 +21,11 @@ _KINDS = {"F": "F", "B": "B", "RECV_F": "RECV", "RECV_B": "RECV", "SEND_F": "SEN
 
 def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, float]]], stages: Sequence[int] | None = None) -> tuple[Event, ...]:
     """Events from each worker's (op, micro-batch, start, end) perf_counter timings, in seconds from `start`;
-    `stages[w]` is worker w's stage (default: worker w runs stage w)."""
+    `stages[w]` is worker w's stage (default: worker w runs stage w). Workers are numbered stage-major
+    (`Layout`), so a worker's replica is the number of workers before it on the same stage."""
+    stages = list(stages) if stages is not None else list(range(len(timings)))
     return tuple(
-        Event(stages[w] if stages is not None else w, _KINDS[op], mb, t0 - start, t1 - start)
+        Event(stages[w], _KINDS[op], mb, t0 - start, t1 - start, stages[:w].count(stages[w]))
         for w, rows in enumerate(timings)
         for op, mb, t0, t1 in rows
     )
