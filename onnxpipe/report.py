@@ -90,7 +90,8 @@ def model_costs(plan: Plan, model: str | os.PathLike | None = None) -> tuple[Gra
 
 
 def gantt_figure(simulation: Simulation, plan: Plan, measured: Sequence[Event] | None = None) -> Any:
-    """Per stage, a compute lane (F, B, all-reduce, step on idle grey) and a thin communication lane."""
+    """Per worker (stage s, replica j), a compute lane (F, B, all-reduce, step on idle grey) and a thin
+    communication lane: replicas of a stage run different micro-batches at once, so each has its own."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,23 +101,23 @@ def gantt_figure(simulation: Simulation, plan: Plan, measured: Sequence[Event] |
     timelines = [("simulated", simulation.events)] + ([("measured", tuple(measured))] if measured else [])
     span = max(max((e.end for e in events), default=0.0) for _, events in timelines) or 1.0
     scale, unit = _time_unit(span)
-    k = len(plan.stages)
+    lanes = [(s, j) for s, stage in enumerate(plan.stages) for j in range(len(stage.devices))]
+    k = len(lanes)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(13, 0.9 * k * len(timelines) + 1.6), squeeze=False, sharex=True)
     for ax, (title, events) in zip(axes[:, 0], timelines):
-        for s in range(k):
-            y = k - 1 - s
+        for i, lane in enumerate(lanes):
+            y = k - 1 - i
             ax.broken_barh([(0, span * scale)], (y - 0.3, 0.6), color=COLORS["idle"])
-            for e in (e for e in events if e.stage == s):
+            for e in (e for e in events if (e.stage, e.replica) == lane):
                 x, w = e.start * scale, (e.end - e.start) * scale
                 if e.kind in ("SEND", "RECV"):
-                    lane = (y - 0.45, 0.12) if e.kind == "SEND" else (y + 0.33, 0.12)
-                    ax.broken_barh([(x, w)], lane, color=COLORS[e.kind])
+                    ax.broken_barh([(x, w)], (y - 0.45, 0.12) if e.kind == "SEND" else (y + 0.33, 0.12), color=COLORS[e.kind])
                     continue
                 ax.broken_barh([(x, w)], (y - 0.3, 0.6), facecolor=COLORS[e.kind], edgecolor="white", linewidth=0.5)
                 if e.microbatch >= 0 and w > span * scale / 70:
                     ax.text(x + w / 2, y, str(e.microbatch), ha="center", va="center", fontsize=8, color="white")
         ax.set_yticks(range(k))
-        ax.set_yticklabels([f"stage {s}\n{_devices(plan.stages[s].devices)}" for s in reversed(range(k))], fontsize=8)
+        ax.set_yticklabels([_lane_label(plan, s, j) for s, j in reversed(lanes)], fontsize=8)
         ax.set_ylim(-0.6, k - 0.4)
         ax.set_xlim(0, span * scale * 1.01)
         ax.set_title(f"{title}: {plan.schedule if title == 'simulated' else simulation.schedule}, {simulation.microbatches} micro-batches", fontsize=10, loc="left")
@@ -127,6 +128,13 @@ def gantt_figure(simulation: Simulation, plan: Plan, measured: Sequence[Event] |
     fig.legend([Patch(color=COLORS[c]) for c in kinds], [_LABELS[c] for c in kinds], loc="upper right", ncol=len(kinds), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
+
+
+def _lane_label(plan: Plan, stage: int, replica: int) -> str:
+    devices = plan.stages[stage].devices
+    if len(devices) == 1:
+        return f"stage {stage}\n{devices[0]}"
+    return f"stage {stage} replica {replica}\n{devices[replica]}"
 
 
 def memory_figure(plan: Plan, simulation: Simulation) -> Any:

@@ -317,3 +317,24 @@ def test_measured_events_name_their_replica() -> None:
     timings = [[("F", 0, 1.0, 2.0)], [("F", 1, 1.0, 2.0)], [("B", 0, 3.0, 4.0)]]
     events = step_events(1.0, timings, [0, 0, 1])
     assert [(e.stage, e.replica, e.kind, e.start) for e in events] == [(0, 0, "F", 0.0), (0, 1, "F", 0.0), (1, 0, "B", 2.0)]
+
+
+def test_gantt_draws_one_lane_per_replica() -> None:
+    from matplotlib.colors import to_rgb
+
+    from onnxpipe.report import COLORS, gantt_figure
+
+    plan = make_plan(2, 4, devices=(("acc_0", "acc_2"), ("acc_1",)))
+    fig = gantt_figure(simulate(plan, make_target(3)), plan)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 1\nacc_1", "stage 0 replica 1\nacc_2", "stage 0 replica 0\nacc_0"]
+    # Compute bars (not the idle background, not the thin transfer lanes) never overlap within a lane.
+    bars: dict[float, list[tuple[float, float]]] = {}
+    for c in ax.collections:
+        (x0, y0), (x1, y1) = c.get_paths()[0].get_extents().get_points()
+        if y1 - y0 > 0.5 and tuple(c.get_facecolor()[0][:3]) != to_rgb(COLORS["idle"]):
+            bars.setdefault(round(y0, 3), []).append((x0, x1))
+    assert len(bars) == 3
+    for spans in bars.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
