@@ -461,7 +461,8 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from onnxpipe.train.fit import check, data_source, fit, write_json
+    from onnxpipe.fileio import write_json
+    from onnxpipe.train.fit import check, data_source, fit
     from onnxpipe.train.loss import LossSpec
     from onnxpipe.train.pipeline import Pipeline
     from onnxpipe.train.optimizer import OptimizerConfig
@@ -534,7 +535,7 @@ def simulate_command(
 
     from onnxpipe import schedule as schedules
     from onnxpipe.simulate import plan_target, read_plan, simulate
-    from onnxpipe.train.fit import write_json
+    from onnxpipe.fileio import write_json
     from onnxpipe.units import format_bytes
 
     plan = read_plan(plan_path)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import atomic_path, swap_in
 
 __all__ = ["StageState", "save_checkpoint", "load_checkpoint"]
 
@@ -34,15 +35,11 @@ def _sha256(path: Path) -> str:
 
 
 def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write through a temp file, synced to disk before the rename: a checkpoint must survive a crash."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[StageState], meta: Mapping[str, Any]) -> None:
@@ -69,7 +66,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[St
             entries.append(info)
         top = {"format": "onnxpipe.checkpoint/1", "step": step, "stages": entries, "meta": dict(meta)}
         _write_atomic(tmp / "checkpoint.json", lambda f: f.write(json.dumps(top, indent=2).encode()))
-        _swap_in(tmp, root)
+        swap_in(tmp, root)
     except OSError as exc:
         raise OnnxpipeError(f"{root}: cannot write the checkpoint ({exc.strerror or exc}); free space or choose another --checkpoint-dir") from exc
     finally:
@@ -78,21 +75,6 @@ def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[St
 
 #: Names a checkpoint directory holds (temp files of an interrupted write included).
 _CHECKPOINT_FILE = re.compile(r"^(checkpoint\.json|stage_\d+\.(npz|json))$|^\..*\.tmp\d+$")
-
-
-def _swap_in(tmp: Path, root: Path) -> None:
-    """Put the finished directory in place of the old one; the old one is deleted only once the new one is in."""
-    if not root.exists():
-        os.replace(tmp, root)
-        return
-    old = root.with_name(f".{root.name}.old{os.getpid()}")
-    os.replace(root, old)
-    try:
-        os.replace(tmp, root)
-    except OSError:
-        os.replace(old, root)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(directory: str | os.PathLike) -> tuple[int, list[StageState], dict[str, Any]]:

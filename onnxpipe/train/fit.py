@@ -3,11 +3,8 @@ check against unpartitioned training."""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -15,7 +12,7 @@ import onnx
 from onnxpipe.train.data import BatchSource, SyntheticData, open_data
 from onnxpipe.train.pipeline import Pipeline
 
-__all__ = ["data_source", "index_ranges", "fit", "check", "write_json"]
+__all__ = ["data_source", "index_ranges", "fit", "check"]
 
 
 def index_ranges(pipeline: Pipeline) -> dict[str, int]:
@@ -71,10 +68,3 @@ def check(pipeline: Pipeline, source: BatchSource, steps: int) -> dict[str, floa
     loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(pipeline.losses, ref_losses))
     weight_diff = max(float(np.max(np.abs(got[k] - v))) for k, v in want.items() if k in got)
     return {"max_loss_rel_diff": loss_diff, "max_weight_abs_diff": weight_diff, "reference_losses": ref_losses}  # type: ignore[dict-item]
-
-
-def write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)

@@ -23,6 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.fileio import atomic_path
 from onnxpipe.manifest import Manifest
 from onnxpipe.simulate import Event
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
@@ -252,12 +253,8 @@ class Pipeline:
             if t.name in trained:
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[t.name].astype(numpy_helper.to_array(t).dtype), t.name))
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
+        with atomic_path(path) as tmp:
             onnx.save(model, str(tmp))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def reference(self) -> LocalPipeline:
         """The unpartitioned model trained in one process on the same micro-batches (for --check)."""
