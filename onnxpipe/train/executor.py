@@ -25,7 +25,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.simulate import Event
-from onnxpipe.train.stage import StageSpec, mean_loss
+from onnxpipe.train.stage import StageSpec, mean_loss, post_inputs
 from onnxpipe.train.timeline import step_events
 from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
 from onnxpipe.train.worker import OPS, worker_main
@@ -124,7 +124,7 @@ class ProcessPipeline:
         start = time.perf_counter()
         for q in self._commands:  # workers first, so they drain their inboxes while the inputs arrive
             q.put(("step",))
-        self._post(microbatches)
+        post_inputs(self._driver, self.specs, microbatches)
         replies = self._wait("done")
         loss = mean_loss(r[2] for r in replies)
         seconds = time.perf_counter() - start
@@ -137,7 +137,7 @@ class ProcessPipeline:
     def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         for q in self._commands:
             q.put(("evaluate", len(microbatches)))
-        self._post(microbatches)
+        post_inputs(self._driver, self.specs, microbatches)
         replies = self._wait("outputs")
         merged: list[dict[str, np.ndarray]] = [dict() for _ in microbatches]
         for r in replies:
@@ -193,13 +193,6 @@ class ProcessPipeline:
             for end in ends:
                 end.close()
         self._procs = []
-
-    def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
-        for spec in self.specs:
-            for i, mb in enumerate(microbatches):
-                if spec.layout.owner(spec.index, i) == spec.worker:
-                    for name in spec.wiring.model_inputs:
-                        self._driver.send(spec.worker, name, i, mb[name])
 
     def _wait(self, kind: str, timeout: float | None = None, workers: Sequence[int] | None = None) -> list[tuple]:
         """One `kind` reply per worker (of `workers`, default all), in worker order; a dead or failing worker fails the run within a second."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.schedule import Action
-from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec, mean_loss
+from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec, mean_loss, post_inputs
 from onnxpipe.train.transport import LocalTransport
 
 __all__ = ["LocalPipeline"]
@@ -31,7 +31,7 @@ class LocalPipeline:
 
     def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
         """One step over the micro-batches; returns the mean loss."""
-        self._post(microbatches)
+        post_inputs(self._driver, self.specs, microbatches)
         cursors = [0] * len(self.programs)
         while True:
             progress = False
@@ -85,10 +85,3 @@ class LocalPipeline:
 
     def close(self) -> None:
         """Nothing to stop: here for the same interface as the process runner."""
-
-    def _post(self, microbatches: Sequence[dict[str, np.ndarray]]) -> None:
-        for spec in self.specs:
-            for i, mb in enumerate(microbatches):
-                if spec.layout.owner(spec.index, i) == spec.worker:
-                    for name in spec.wiring.model_inputs:
-                        self._driver.send(spec.worker, name, i, mb[name])

@@ -12,7 +12,7 @@ Reading order: `Wiring` -> `StageSpec` -> `StageRunner` (forward, backward, step
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +24,7 @@ from onnxpipe.train.layout import Layout
 from onnxpipe.train.optimizer import Optimizer, OptimizerConfig
 from onnxpipe.train.transport import Transport, grad_key, shared_key
 
-__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session", "mean_loss"]
+__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session", "mean_loss", "post_inputs"]
 
 
 @dataclass(frozen=True)
@@ -266,3 +266,12 @@ class StageProgram:
                     if h != mine:
                         self.transport.send(h, shared_key(p, mine), -1, self._sent[p])
         return self._sent
+
+
+def post_inputs(driver: Transport, specs: Sequence[StageSpec], microbatches: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """Send each micro-batch's model inputs to the replica of every stage that owns that micro-batch."""
+    for spec in specs:
+        for i, mb in enumerate(microbatches):
+            if spec.layout.owner(spec.index, i) == spec.worker:
+                for name in spec.wiring.model_inputs:
+                    driver.send(spec.worker, name, i, mb[name])
