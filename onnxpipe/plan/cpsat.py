@@ -71,6 +71,9 @@ def solve_cpsat(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, time_limit)
     solver.parameters.num_workers = workers or _default_workers()
+    # Left on, OR-Tools takes over SIGINT while solving and leaves it at the default action afterwards, so a
+    # later Ctrl-C (during training, say) would kill the process without cleanup.
+    solver.parameters.catch_sigint_signal = False
     callback = _progress(cp_model, progress) if progress else None
     status = solver.Solve(model.cp, callback) if callback else solver.Solve(model.cp)
     name = solver.StatusName(status)

@@ -9,6 +9,7 @@ another stage's failure (`PeerGone`), so the driver can name the root cause.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -19,6 +20,9 @@ from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec
 from onnxpipe.train.transport import PeerGone, ShmTransport
 
 __all__ = ["worker_main", "OPS", "peak_rss_bytes"]
+
+#: prctl option: the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
 
 #: Op codes written to the shared `current` array; index 0 means idle.
 OPS = ("idle", "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "STEP", "setup", "evaluate")
@@ -36,8 +40,18 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """On Linux the kernel kills this worker when the driver dies, however it dies (SIGKILL included),
+    so no worker outlives its run."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the transport's parent check still ends the worker
+        pass
+
+
 def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, prefix: str, current: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and shuts workers down
+    _die_with_parent()
     parent = os.getppid()
     me = spec.worker
     transport = ShmTransport(prefix, inboxes, me, alive=lambda: os.getppid() == parent)

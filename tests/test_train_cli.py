@@ -1,0 +1,71 @@
+"""`onnxpipe train` as a user drives it: data from an .npz cut into consecutive batches (cycling), and
+Ctrl-C stopping every worker cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from onnxpipe import models
+
+CLI = [sys.executable, "-m", "onnxpipe"]
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live processes of a session (a subprocess started with start_new_session=True and its children)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_npz_data_is_cut_into_consecutive_batches_that_cycle(tmp_path: Path) -> None:
+    onnx.save(models.build("mlp", train=True), tmp_path / "mlp.onnx")  # batch 8 per micro-batch
+    rng = np.random.default_rng(1)
+    rows = 32  # two global batches of 16
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((rows, 16)).astype(np.float32), labels=rng.integers(0, 10, rows))
+    out = tmp_path / "run.json"
+    run = subprocess.run(
+        [*CLI, "train", str(tmp_path / "mlp.onnx"), "--target", "cpu2", "--stages", "2", "--batch", "16", "--microbatches", "2",
+         "--steps", "4", "--lr", "1e-20", "--data", str(tmp_path / "data.npz"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    losses = json.loads(out.read_text())["losses"]
+    # a learning rate of 1e-20 leaves float32 weights as they are, so a step's loss depends on its batch alone: batches 0, 1, 0, 1.
+    assert losses[0] == losses[2] and losses[1] == losses[3] and losses[0] != losses[1]
+
+
+def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path) -> None:
+    onnx.save(models.build("gpt2-tiny", train=True), tmp_path / "gpt2.onnx")
+    proc = subprocess.Popen(
+        [*CLI, "train", str(tmp_path / "gpt2.onnx"), "--target", "cpu2", "--stages", "2", "--batch", "16", "--microbatches", "2",
+         "--steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(_session_processes(proc.pid)) < 3 and time.monotonic() < deadline:  # the driver and its two workers
+        time.sleep(0.2)
+    assert len(_session_processes(proc.pid)) >= 3, "workers never started"
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: the whole foreground group
+    stopped = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 10
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    time.sleep(0.5)
+    assert _session_processes(proc.pid) == []
+    assert not [p for p in Path("/dev/shm").glob("onnxpipe_*") if str(proc.pid) in p.name]
