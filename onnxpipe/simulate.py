@@ -210,14 +210,17 @@ def plan_target(plan: Plan, target: str | None = None) -> Target:
 
 
 def stash_bytes(plan: Plan, stage: StagePlan) -> tuple[float, float]:
-    """(bytes stashed per micro-batch, extra bytes held during a backward) at the plan's own micro-batch size.
+    """(bytes stashed per micro-batch, extra bytes held during a backward) on the replica that runs it,
+    at the plan's own micro-batch size.
 
-    The peak activations of a plan are in_flight x stash without recompute, and in_flight x inputs +
-    one micro-batch's full activations (rebuilt during its backward) with recompute. The stash is the
+    The peak activations of a plan are held x stash without recompute, and held x inputs + one
+    micro-batch's full activations (rebuilt during its backward) with recompute; held = ceil(in flight
+    / replicas), the whole micro-batches one replica holds at once. The stash is the
     plan's `stash_bytes` when given, else derived from the peak (inputs = the bytes it receives).
     """
     table = sched.build(plan.schedule, len(plan.stages), plan.microbatches)
-    live = max(sched.in_flight(table[stage.index]), 1)
+    # A replica holds whole micro-batches: the most of any `in flight` consecutive ones it owns.
+    live = math.ceil(max(sched.in_flight(table[stage.index]), 1) / len(stage.devices))
     if not stage.recompute:
         return stage.stash_bytes or stage.memory.activations / live, 0.0
     inputs = min(stage.stash_bytes or stage.comm_in_bytes, stage.memory.activations / live)
@@ -229,8 +232,9 @@ def _static_bytes(stage: StagePlan) -> float:
 
 
 def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageCost:
-    """Per micro-batch on one replica. A replicated stage's plan times and stash are per-micro-batch
-    shares (busy / r); a replica runs whole micro-batches, so it takes r times as long per micro-batch."""
+    """Per micro-batch on one replica. A replicated stage's plan times are per-micro-batch shares
+    (busy / r); a replica runs whole micro-batches, so it takes r times as long per micro-batch. Its
+    stash is already per whole micro-batch (`stash_bytes`)."""
     scale = plan.microbatches / m
     whole = scale * len(stage.devices)
     stash, during = stash_bytes(plan, stage)
@@ -241,8 +245,8 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
         forward=stage.forward_seconds * whole + overhead,
         backward=stage.backward_seconds * whole + overhead,
         out_bytes=stage.comm_out_bytes * scale,
-        stash=stash * whole,
-        during_backward=during * whole,
+        stash=stash * scale,
+        during_backward=during * scale,
         allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients),
         step=step_bytes / bandwidth,
     )

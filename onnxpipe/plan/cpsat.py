@@ -24,7 +24,7 @@ import numpy as np
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.dp import allreduce_affine
 from onnxpipe.plan.layout import Layout
-from onnxpipe.plan.problem import Problem, in_flight
+from onnxpipe.plan.problem import Problem, held, in_flight
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -211,12 +211,13 @@ class _Model:
                     seconds = (blocks.forward[g] * (2 if rc else 1) + blocks.backward[g]) / r
                     cp.Add(comp >= _dot(self.x, s, seconds * _NS, math.ceil)).OnlyEnforceIf([y, flag])
                     cap = int(problem.capacity[g] // _KIB)
+                    mine = held(flights[s], r)  # whole micro-batches on one replica
                     if rc:
-                        stash = sum(self.received[t][s] * _ceil(blocks.nbytes[t] * flights[s] / r / _KIB) for t in crossing)
-                        stash += sum(self.inputs[t][s] * _ceil(blocks.nbytes[t] * flights[s] / r / _KIB) for t in reads)
-                        need = _dot(self.x, s, (state + blocks.activations / r) / _KIB, math.ceil) + stash
+                        stash = sum(self.received[t][s] * _ceil(blocks.nbytes[t] * mine / _KIB) for t in crossing)
+                        stash += sum(self.inputs[t][s] * _ceil(blocks.nbytes[t] * mine / _KIB) for t in reads)
+                        need = _dot(self.x, s, (state + blocks.activations) / _KIB, math.ceil) + stash
                     else:
-                        need = _dot(self.x, s, (state + flights[s] * blocks.activations / r) / _KIB, math.ceil)
+                        need = _dot(self.x, s, (state + mine * blocks.activations) / _KIB, math.ceil)
                     cp.Add(need <= cap).OnlyEnforceIf([y, flag])
                 groups = range(len(problem.groups))
                 if s < k - 1:

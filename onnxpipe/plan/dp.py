@@ -18,7 +18,7 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.layout import Layout
-from onnxpipe.plan.problem import Problem, in_flight
+from onnxpipe.plan.problem import Problem, held, in_flight
 
 __all__ = ["Intervals", "intervals", "solve_dp", "allreduce_affine", "out_links"]
 
@@ -174,14 +174,15 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
         allreduce = np.where(params > 0, a0 + a1 * params, 0.0) / problem.microbatches if r > 1 else 0.0
         keep = forward + backward + comm + allreduce
         state = params * (2.0 + problem.optimizer_states)
-        acts = _span(prefix.activations) / r
+        acts = _span(prefix.activations)
         invalid = np.tril(np.ones_like(keep, dtype=bool))
         base = (keep, forward, state, acts, invalid)
         cache[("base", g, r, gp)] = base
     keep, forward, state, acts, invalid = base
     capacity = problem.capacity[g]
-    keep_fits = state + flight * acts <= capacity
-    rc_fits = state + flight * table.stash_bytes / r + acts <= capacity
+    mine = held(flight, r)  # whole micro-batches on one replica
+    keep_fits = state + mine * acts <= capacity
+    rc_fits = state + mine * table.stash_bytes + acts <= capacity
     t_keep = np.where(keep_fits & (recompute != "always"), keep, np.inf)
     t_rc = np.where(rc_fits & (recompute != "never"), keep + forward, np.inf)
     times = np.minimum(t_keep, t_rc)

@@ -14,7 +14,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.bounds import lower_bound
-from onnxpipe.plan.problem import Problem, in_flight
+from onnxpipe.plan.problem import Problem, held, in_flight
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
 from onnxpipe.plan.timing import iteration_seconds
 from onnxpipe.units import format_bytes
@@ -151,19 +151,21 @@ def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarr
 
 
 def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, groups: np.ndarray, comm: _Comm, flight: int) -> StagePlan:
-    """A stage's plan. Replicas split each micro-batch evenly, so the
-    slowest replica sets the pace."""
+    """A stage's plan. Replicas take whole micro-batches round-robin, so per micro-batch a stage of r
+    replicas delivers r times its slowest replica's rate (times are those shares), and a replica holds
+    the activations of whole micro-batches (`held`)."""
     r = len(groups)
     forward = float(max(problem.forward[g, mask].sum() for g in groups)) / r
     backward = float(max(problem.backward[g, mask].sum() for g in groups)) / r
     recompute = assignment.recompute[s]
     params = float(problem.params[mask].sum())
-    activations = float(problem.activations[mask].sum()) / r
+    activations = float(problem.activations[mask].sum())
+    mine = held(flight, r)
     if recompute:
         backward += forward
-        stashed = flight * comm.stash_bytes[s] / r + activations
+        stashed = mine * comm.stash_bytes[s] + activations
     else:
-        stashed = flight * activations
+        stashed = mine * activations
     devices = assignment.devices[s]
     memory = Memory(
         parameters=params,
@@ -185,5 +187,5 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
         allreduce_seconds=problem.target.allreduce_seconds(tuple(devices), params),
         recompute=recompute,
         memory=memory,
-        stash_bytes=float(comm.stash_bytes[s]) / r if recompute else activations,
+        stash_bytes=float(comm.stash_bytes[s]) if recompute else activations,
     )

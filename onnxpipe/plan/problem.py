@@ -19,7 +19,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.target import Target
 
-__all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight"]
+__all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight", "held"]
 
 #: Optimizer state per parameter byte.
 OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
@@ -97,6 +97,12 @@ def in_flight(schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
     """Micro-batches whose activations each stage holds at once under a schedule."""
     table = schedules.build(schedule, stages, microbatches)
     return tuple(schedules.in_flight(actions) for actions in table)
+
+
+def held(flight: int, replicas: int) -> int:
+    """Whole micro-batches one replica holds at once when its stage keeps `flight` in flight: replicas
+    take micro-batches round-robin, and one owns ceil(flight / replicas) of any `flight` consecutive ones."""
+    return -(-flight // replicas)
 
 
 def dominant_dtype(graph: Graph) -> str:
