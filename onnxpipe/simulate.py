@@ -3,7 +3,7 @@
 Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public entry) ->
 `_stage_costs` (what one stage costs per micro-batch under the chosen micro-batch count) ->
 `_run` (the event loop over the lowered action table, with `_Links` sharing link bandwidth and
-`_Cores` sharing a host's cores).
+`_Cores` assigning a host's cores).
 
 Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
 order on its device(s). F and B take the plan's per-micro-batch seconds (a recomputing stage's
@@ -13,14 +13,15 @@ arrived. Every directed device pair is one physical link channel: transfers in f
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
 other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
-devices share that many cores (less what `background` work takes, see `_Cores`): n processes
-computing at once each run at min(1, cores / n) speed.
+devices run on that many cores (less what `background` work takes): a worker that becomes
+runnable takes a free core or waits for one, as the OS assigns them (`_Cores`).
 A replicated stage runs one worker per device, as the executor does: replica j of stage s runs
 the micro-batches i with i % r == j (`schedule.replicate`) at the full per-micro-batch time (a
 plan's per-micro-batch seconds of a replicated stage are throughput figures, busy / r), and
 receives each from, and sends each to, the replica of the neighbouring stage that owns it. STEP
-waits for every replica of its stage, then runs the gradient all-reduce (ring over its devices)
-and the optimizer step (one pass over
+waits for every other holder of its weights (its replicas, and for tied weights every worker of
+the stages holding a copy: `StagePlan.tied`) to reach its STEP, then exchanges gradients with them
+(ring all-reduces) and runs the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth). The iteration ends the
 devices' `step_overhead` after the last STEP (the driver's share of a step: posting, starting, collecting).
 
@@ -140,6 +141,7 @@ class _StageCost:
     stash: float
     #: Extra bytes held while its backward runs (the recomputed activations).
     during_backward: float
+    #: Gradient exchange at STEP: the all-reduce over its replicas, and over every holder of its tied weights.
     allreduce: float
     step: float
 
@@ -247,7 +249,8 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
         out_bytes=stage.comm_out_bytes * scale,
         stash=stash * scale,
         during_backward=during * scale,
-        allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients),
+        allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients)
+        + target.allreduce_seconds(tuple(d for s in sorted({stage.index, *stage.tied}) for d in plan.stages[s].devices), stage.tied_bytes),
         step=step_bytes / bandwidth,
     )
 
@@ -308,23 +311,34 @@ class _Links:
 
 
 class _Cores:
-    """F and B in progress on cpu stages that share the target's cores: n processes computing at once
-    each run at min(1, available / n) of their own speed (processor sharing, like `_Links`).
+    """F and B of cpu workers on the target's cores, assigned as the OS scheduler does for actions
+    shorter than its time slices: a worker that becomes runnable takes a free core, else it waits,
+    first come first served, until a running one finishes its action and blocks. The running ones
+    (at most ceil(available) of them) each run at min(1, available / running) of their own speed.
 
     Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
-    with one busy process beside two workers on two cores, the workers take turns on the other core
-    (the scheduler's time slices are longer than their actions). Beyond that, the workers together
-    keep a 1 / (1 + background) share: available = max(cores - background, cores / (1 + background))."""
+    with one busy process beside two workers on two cores, the workers take turns on the other core.
+    Beyond that, the workers together keep a 1 / (1 + background) share:
+    available = max(cores - background, cores / (1 + background))."""
 
     def __init__(self, plan: Plan, target: Target, background: float) -> None:
         self.cores = max(target.cores - background, target.cores / (1 + background))
+        self._slots = max(1, math.ceil(self.cores - 1e-9))
         #: Per worker (stage-major): whether it computes on the shared cores.
         self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
-        #: worker -> [seconds of work left at full speed, what to report when done].
+        #: worker -> [seconds of work left at full speed, op, micro-batch, start on its core].
         self.active: dict[int, list[Any]] = {}
+        #: Runnable workers waiting for a core: (worker, work, op, micro-batch), in arrival order.
+        self._waiting: list[tuple[int, float, str, int]] = []
 
-    def start(self, worker: int, work: float, key: Any) -> None:
-        self.active[worker] = [work, key]
+    def start(self, now: float, worker: int, work: float, op: str, microbatch: int) -> None:
+        self._waiting.append((worker, work, op, microbatch))
+        self._assign(now)
+
+    def _assign(self, now: float) -> None:
+        while self._waiting and len(self.active) < self._slots:
+            worker, work, op, mb = self._waiting.pop(0)
+            self.active[worker] = [work, op, mb, now]
 
     def _rate(self) -> float:
         return min(1.0, self.cores / len(self.active))
@@ -332,17 +346,20 @@ class _Cores:
     def next_time(self, now: float) -> float:
         if not self.active:
             return math.inf
-        return now + min(w for w, _ in self.active.values()) / self._rate()
+        return now + min(job[0] for job in self.active.values()) / self._rate()
 
-    def advance(self, now: float, later: float) -> list[tuple[int, Any]]:
-        """Do the work from now to later; return (worker, key) of the actions finished by `later`."""
+    def advance(self, now: float, later: float) -> list[tuple[int, str, int, float]]:
+        """Do the work from now to later; return (worker, op, micro-batch, start) of the actions
+        finished by `later`, and give their cores to waiting workers."""
         if not self.active:
             return []
         rate = self._rate()
-        done = [s for s, (w, _) in self.active.items() if now + w / rate <= later]
+        done = [w for w, job in self.active.items() if now + job[0] / rate <= later]
         for job in self.active.values():
             job[0] -= (later - now) * rate
-        return [(s, self.active.pop(s)[1]) for s in done]
+        finished = [(w, *self.active.pop(w)[1:]) for w in done]
+        self._assign(later)
+        return finished
 
 
 def _run(
@@ -367,6 +384,8 @@ def _run(
     arrived: dict[tuple[str, int, int], float] = {}
     #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
     at_step: set[int] = set()
+    #: Per stage: the workers whose STEP exchanges gradients with its own (its replicas, the tied stages').
+    holders = [[owner(t, i) for t in sorted({s, *st.tied}) for i in range(len(plan.stages[t].devices))] for s, st in enumerate(plan.stages)]
     events: list[Event] = []
     live = [_static_bytes(plan.stages[s]) for s, _ in places]
     memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in live]
@@ -416,13 +435,13 @@ def _run(
                         mem(w, now, c.stash if a.op == "F" else c.during_backward)
                         work = c.forward if a.op == "F" else c.backward
                         if cores.shared[w]:
-                            cores.start(w, work, (a.op, a.microbatch, now))
+                            cores.start(now, w, work, a.op, a.microbatch)
                             free_at[w] = math.inf
                         else:
                             finish(w, a.op, a.microbatch, now, now + work)
                     else:  # STEP
                         at_step.add(w)
-                        if any(owner(s, i) not in at_step for i in range(len(plan.stages[s].devices))):
+                        if any(h not in at_step for h in holders[s]):
                             break
                         if c.allreduce > 0:
                             events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce, j))
@@ -436,7 +455,7 @@ def _run(
         if math.isinf(later):
             stuck = next(w for w in range(n) if cursor[w] < len(rows[w]))
             raise OnnxpipeError(f"simulation stalled: stage {places[stuck][0]} waits forever at {rows[stuck][cursor[stuck]]}")
-        for w, (op, mb, start) in cores.advance(now, later):
+        for w, op, mb, start in cores.advance(now, later):
             finish(w, op, mb, start, later)
         for key in links.advance(now, later):
             arrived[key] = later

@@ -352,3 +352,16 @@ def test_replica_holds_whole_microbatches() -> None:
     for p in (keep, rc):
         sim = simulate(p, target)
         assert sim.peak_memory_bytes[0] == pytest.approx(p.stages[0].memory.total)
+
+
+def test_evaluate_finds_weights_tied_across_stages() -> None:
+    w = helper.make_tensor("w", TensorProto.FLOAT, [16, 16], [0.01] * 256)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="n0"), helper.make_node("Relu", ["a"], ["b"], name="n1"),
+             helper.make_node("Transpose", ["w"], ["wt"], name="t"), helper.make_node("MatMul", ["b", "wt"], ["y"], name="n2")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])], [w])
+    g = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    costs = hand_costs(g, [1e9] * len(g.compute_nodes), params=[0.0] * len(g.compute_nodes))
+    problem = build_problem(g, costs, make_target([("g", 3, 1e12, 1e9)]), batch=2, microbatches=1)
+    split = evaluate(problem, Assignment((("n0",), ("n1",), ("n2",)), (("g0",), ("g1",), ("g2",)), (False,) * 3))
+    assert [(s.tied, s.tied_bytes) for s in split.stages] == [((2,), 1024.0), ((), 0.0), ((0,), 1024.0)]

@@ -292,15 +292,15 @@ def test_action_overhead_per_forward_and_backward_and_step_overhead_per_iteratio
 
 
 def test_cpu_stages_share_the_targets_cores() -> None:
-    # GPipe, 2 stages, 2 micro-batches, F 1 s, no backward, one core: stage 0's F1 and stage 1's F0 run at
-    # half speed from 1 s to 3 s, then stage 1's F1 alone until 4 s.
+    # GPipe, 2 stages, 2 micro-batches, F 1 s, no backward, one core: at 1 s stage 0's F1 takes the core
+    # and stage 1, woken by F0's arrival, waits for it until 2 s (a core is assigned, not time-shared).
     base = make_target(2)
     cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1)
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0)
     sim = simulate(plan, cpus)
     assert sim.iteration_seconds == pytest.approx(4.0)
     forwards = sorted((e.stage, e.microbatch, e.start, e.end) for e in sim.events if e.kind == "F")
-    assert forwards == [(0, 0, 0.0, 1.0), (0, 1, 1.0, pytest.approx(3.0)), (1, 0, 1.0, pytest.approx(3.0)), (1, 1, pytest.approx(3.0), pytest.approx(4.0))]
+    assert forwards == [(0, 0, 0.0, 1.0), (0, 1, 1.0, 2.0), (1, 0, 2.0, 3.0), (1, 1, 3.0, 4.0)]
     # Two cores for two workers, or devices that do not share: no slowdown.
     assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(3.0)
     assert simulate(plan, replace(base, cores=1)).iteration_seconds == pytest.approx(3.0)
@@ -338,3 +338,18 @@ def test_gantt_draws_one_lane_per_replica() -> None:
     for spans in bars.values():
         spans.sort()
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+
+
+def test_tied_weights_make_their_holders_wait_for_each_other_at_step() -> None:
+    # Stage 0 and stage 1 hold copies of one weight: stage 1's STEP waits for stage 0's last backward,
+    # then both exchange its gradient.
+    target = make_target(2, bandwidth=1e9)
+    plan = make_plan(2, 2)
+    tied = replace(plan, stages=(replace(plan.stages[0], tied=(1,), tied_bytes=1e9), replace(plan.stages[1], tied=(0,), tied_bytes=1e9)))
+    a, b = simulate(plan, target), simulate(tied, target)
+    exchange = target.allreduce_seconds(("acc_0", "acc_1"), 1e9)
+    last_backward = max(e.end for e in b.events if e.kind == "B" and e.stage == 0)
+    steps = {e.stage: e for e in b.events if e.kind == "STEP"}
+    assert steps[0].start == steps[1].start == pytest.approx(last_backward + exchange)
+    assert b.iteration_seconds == pytest.approx(a.iteration_seconds + exchange)
+    assert min(e.start for e in a.events if e.kind == "STEP") < last_backward  # untied, stage 1 steps early

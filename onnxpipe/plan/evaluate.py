@@ -2,7 +2,7 @@
 `Plan` with per-stage times, communication, memory and the iteration time. The planner, every
 baseline and hand-given cuts go through it, so their numbers compare like for like.
 
-Reading order: `Assignment` -> `evaluate` -> `_ensure_assignment` -> `_communication` -> `_stage`.
+Reading order: `Assignment` -> `evaluate` -> `_ensure_assignment` -> `_tied` -> `_communication` -> `_stage`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
     groups = [np.array([problem.group_of(d) for d in devs]) for devs in assignment.devices]
     comm = _communication(problem, stage_of, groups, k)
     flights = in_flight(problem.schedule, k, problem.microbatches)
-    stage_plans = [_stage(problem, s, stage_of == s, assignment, groups[s], comm, flights[s]) for s in range(k)]
+    tied = _tied(problem, stage_of, k)
+    stage_plans = [replace(_stage(problem, s, stage_of == s, assignment, groups[s], comm, flights[s]), tied=tied[s][0], tied_bytes=tied[s][1])
+                   for s in range(k)]
     bottleneck = max(p.seconds_per_microbatch(problem.microbatches) for p in stage_plans)
     bound = lower_bound(problem, k, replicas).seconds
     info = solver or SolveInfo(status="given", bound_seconds=bound, gap=_gap(bottleneck, bound), solve_seconds=0.0, coarsening_loss=0.0, blocks=problem.n)
@@ -115,6 +117,30 @@ def _ensure_assignment(problem: Problem, assignment: Assignment) -> np.ndarray:
                 f"{int(stage_of[problem.tensor_consumers[t]].min())}; data must flow to the same or a later stage"
             )
     return stage_of
+
+
+def _tied(problem: Problem, stage_of: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
+    """Per stage: the other stages reading one of its trained weights (each holds a copy; through
+    constant chains too, e.g. the transpose of a tied embedding), and the bytes of those weights."""
+    graph = problem.graph
+    position = {n: i for i, n in enumerate(problem.nodes)}
+    others: list[set[int]] = [set() for _ in range(k)]
+    nbytes = [0.0] * k
+    for weight in graph.parameters:
+        stages: set[int] = set()
+        frontier, seen = [weight], set()
+        while frontier:
+            for node in graph.consumers(frontier.pop()):
+                if node in position:
+                    stages.add(int(stage_of[position[node]]))
+                elif node not in seen:
+                    seen.add(node)
+                    frontier.extend(o for o in graph.node(node).output if o)
+        if len(stages) > 1:
+            for s in stages:
+                others[s] |= stages - {s}
+                nbytes[s] += graph.tensors[weight].nbytes
+    return [(tuple(sorted(o)), b) for o, b in zip(others, nbytes)]
 
 
 @dataclass(frozen=True)

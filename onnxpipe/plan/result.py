@@ -56,6 +56,11 @@ class StagePlan:
     #: Bytes one micro-batch leaves stashed on one device from its forward to its backward (its
     #: activations, or its inputs when recomputing); 0 when unknown (the simulator derives it from memory).
     stash_bytes: float = 0.0
+    #: Other stages holding a copy of some of this stage's trained weights (tied weights): at STEP every
+    #: holder waits for the others, then they exchange those weights' gradients.
+    tied: tuple[int, ...] = ()
+    #: Bytes of those shared weights.
+    tied_bytes: float = 0.0
 
     @property
     def busy_seconds(self) -> float:
@@ -142,7 +147,8 @@ class Plan:
             raise OnnxpipeError(f"{origin}: not an onnxpipe plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r}); write one with `onnxpipe plan`")
         try:
             stages = tuple(
-                StagePlan(**{**s, "devices": tuple(s["devices"]), "nodes": tuple(s["nodes"]), "memory": Memory(**s["memory"])})
+                StagePlan(**{**s, "devices": tuple(s["devices"]), "nodes": tuple(s["nodes"]), "memory": Memory(**s["memory"]),
+                             "tied": tuple(s.get("tied", ()))})
                 for s in data["stages"]
             )
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
