@@ -311,10 +311,12 @@ class _Links:
 
 
 class _Cores:
-    """F and B of cpu workers on the target's cores, assigned as the OS scheduler does for actions
-    shorter than its time slices: a worker that becomes runnable takes a free core, else it waits,
-    first come first served, until a running one finishes its action and blocks. The running ones
-    (at most ceil(available) of them) each run at min(1, available / running) of their own speed.
+    """cpu workers on the target's cores, assigned as the OS scheduler does for actions shorter than
+    its time slices: a worker holds a core from when it becomes runnable until it blocks (waits for a
+    transfer that has not arrived, or for the other holders at STEP, or has finished its row), not
+    only while it computes (sends, receives and their bookkeeping take the processor too). A worker
+    that needs a core to compute while ceil(available) are held waits, first come first served,
+    until one is released; the holders share the available cores (min(1, available / holders) each).
 
     Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
     with one busy process beside two workers on two cores, the workers take turns on the other core.
@@ -328,20 +330,32 @@ class _Cores:
         self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
         #: worker -> [seconds of work left at full speed, op, micro-batch, start on its core].
         self.active: dict[int, list[Any]] = {}
+        #: Workers holding a core (computing or not).
+        self._holding: set[int] = set()
         #: Runnable workers waiting for a core: (worker, work, op, micro-batch), in arrival order.
         self._waiting: list[tuple[int, float, str, int]] = []
 
     def start(self, now: float, worker: int, work: float, op: str, microbatch: int) -> None:
-        self._waiting.append((worker, work, op, microbatch))
-        self._assign(now)
+        if worker in self._holding:
+            self.active[worker] = [work, op, microbatch, now]
+        else:
+            self._waiting.append((worker, work, op, microbatch))
+            self._assign(now)
+
+    def release(self, now: float, worker: int) -> None:
+        """The worker blocks: its core goes to the next one waiting."""
+        if worker in self._holding and worker not in self.active:
+            self._holding.discard(worker)
+            self._assign(now)
 
     def _assign(self, now: float) -> None:
-        while self._waiting and len(self.active) < self._slots:
+        while self._waiting and len(self._holding) < self._slots:
             worker, work, op, mb = self._waiting.pop(0)
+            self._holding.add(worker)
             self.active[worker] = [work, op, mb, now]
 
     def _rate(self) -> float:
-        return min(1.0, self.cores / len(self.active))
+        return min(1.0, self.cores / len(self._holding))
 
     def next_time(self, now: float) -> float:
         if not self.active:
@@ -350,16 +364,14 @@ class _Cores:
 
     def advance(self, now: float, later: float) -> list[tuple[int, str, int, float]]:
         """Do the work from now to later; return (worker, op, micro-batch, start) of the actions
-        finished by `later`, and give their cores to waiting workers."""
+        finished by `later` (their workers keep their cores until they block)."""
         if not self.active:
             return []
         rate = self._rate()
         done = [w for w, job in self.active.items() if now + job[0] / rate <= later]
         for job in self.active.values():
             job[0] -= (later - now) * rate
-        finished = [(w, *self.active.pop(w)[1:]) for w in done]
-        self._assign(later)
-        return finished
+        return [(w, *self.active.pop(w)[1:]) for w in done]
 
 
 def _run(
@@ -411,6 +423,7 @@ def _run(
             for w in range(n):
                 s, j = places[w]
                 device = plan.stages[s].devices[j]
+                waits = False
                 while cursor[w] < len(rows[w]) and free_at[w] <= now:
                     if blocked_on[w] is not None:
                         if blocked_on[w] not in arrived:
@@ -420,6 +433,7 @@ def _run(
                     if a.op in ("RECV_F", "RECV_B"):
                         key = (a.op[-1], s, a.microbatch)
                         if key not in arrived:
+                            waits = True
                             break
                         events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key], j))
                     elif a.op in ("SEND_F", "SEND_B"):
@@ -442,6 +456,7 @@ def _run(
                     else:  # STEP
                         at_step.add(w)
                         if any(h not in at_step for h in holders[s]):
+                            waits = True
                             break
                         if c.allreduce > 0:
                             events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce, j))
@@ -449,6 +464,8 @@ def _run(
                         events.append(Event(s, "STEP", -1, now + c.allreduce, free_at[w], j))
                     cursor[w] += 1
                     progressed = True
+                if cores.shared[w] and (waits or cursor[w] == len(rows[w]) and free_at[w] <= now):
+                    cores.release(now, w)
         if all(cursor[w] == len(rows[w]) for w in range(n)):
             break
         later = min([t for t in free_at if t > now] + [links.next_time(now), cores.next_time(now)])

@@ -353,3 +353,15 @@ def test_tied_weights_make_their_holders_wait_for_each_other_at_step() -> None:
     assert steps[0].start == steps[1].start == pytest.approx(last_backward + exchange)
     assert b.iteration_seconds == pytest.approx(a.iteration_seconds + exchange)
     assert min(e.start for e in a.events if e.kind == "STEP") < last_backward  # untied, stage 1 steps early
+
+
+def test_a_worker_keeps_its_core_until_it_blocks() -> None:
+    # One core, shm link copying 1 GB at 1 GB/s: stage 0 holds the core through F0, its copy, F1 and
+    # its copy (the copies are its own work), and releases it at 4 s when it waits for a gradient; only
+    # then can stage 1, woken at 2 s by mb 0's arrival, run its forward.
+    base = make_target(2, bandwidth=1e9)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1,
+                   links=(replace(base.links[0], topology="shm"),))
+    sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=1e9), cpus)
+    forwards = sorted((e.stage, e.microbatch, e.start) for e in sim.events if e.kind == "F")
+    assert forwards == [(0, 0, 0.0), (0, 1, 2.0), (1, 0, 4.0), (1, 1, 5.0)]
