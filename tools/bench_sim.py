@@ -38,13 +38,14 @@ SCHEDULES = ("gpipe", "1f1b")
 GOAL = 0.15
 NOTE = (
     "The simulator adds the targets' measured fixed costs (tools/measure_cpu.py): `action_overhead` per forward and "
-    "backward action, `step_overhead` per step (the driver), hand-offs priced as measured inside the executor, the "
-    "target's `cores` (1.9 cores' worth for one-thread workers) shared by the workers computing at once and, in the "
-    "simulated column, by the measured background; node times come from the gradient graph's run (training's form of "
-    "each node, e.g. MaxPool with indices). Still missing, and why cpu4 stays 20-50% low: waking a blocked receiver "
-    "takes a scheduler slot, so hand-offs slow down when workers outnumber the cores (46 us measured on an idle 4-worker "
-    "pipeline, a median 151 us in transformer-tiny's); tied weights make stages wait for each other at STEP; the "
-    "host's share of the 2 vCPUs varies (1.0-2.0 cores' worth seen for two busy processes), which the 2 runs per case show."
+    "backward action, `step_overhead` per step (the driver), hand-offs priced as measured inside the executor; the "
+    "target's `cores` (1.9 cores' worth for one-thread workers, less the measured background in the simulated column) "
+    "are assigned as the OS does: a worker holds a core from waking until it blocks, and one woken while every core is "
+    "held waits for one; tied weights make their holders wait for each other at STEP, then exchange gradients; node "
+    "times come from the gradient graph's run (training's form of each node). Still missing, and why cpu4 stays "
+    "14-43% low here (median 33%): the receiver's own processor time per hand-off (about 10 us to take a message that is already there, "
+    "measured in the executor's timeline), a step's first forward and backward on each stage running 2-4 times slower "
+    "than the rest (cold caches), and the host's varying share of the 2 vCPUs: the 2 runs per case differ by up to 50%."
 )
 
 
