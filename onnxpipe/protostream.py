@@ -79,28 +79,19 @@ def _read_record(f: BinaryIO, key: int, key_bytes: bytes) -> bytes:
 def read_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse a model file one record at a time (peak: the model plus its largest tensor), then load
     external data if the model has any."""
-    model = onnx.ModelProto()
-    path = Path(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        while f.tell() < size:
-            key, key_bytes = _read_varint(f)
-            if key >> 3 == _GRAPH_FIELD and key & 7 == _LENGTH_DELIMITED:
-                length, _ = _read_varint(f)
-                end = f.tell() + length
-                while f.tell() < end:
-                    inner, inner_bytes = _read_varint(f)
-                    model.graph.MergeFromString(_read_record(f, inner, inner_bytes))
-            else:
-                model.MergeFromString(_read_record(f, key, key_bytes))
+    model = _parse(Path(path), weights=True)
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
+        onnx.external_data_helper.load_external_data_for_model(model, str(Path(path).parent))
     return model
 
 
 def read_header(path: str | os.PathLike) -> onnx.ModelProto:
     """A model file without its initializers (their records are skipped, never read): the graph's
     nodes, inputs and outputs of a model of any size at the cost of its small parts."""
+    return _parse(Path(path), weights=False)
+
+
+def _parse(path: Path, weights: bool) -> onnx.ModelProto:
     model = onnx.ModelProto()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -111,7 +102,7 @@ def read_header(path: str | os.PathLike) -> onnx.ModelProto:
                 end = f.tell() + length
                 while f.tell() < end:
                     inner, inner_bytes = _read_varint(f)
-                    if inner >> 3 == _INITIALIZER_FIELD and inner & 7 == _LENGTH_DELIMITED:
+                    if not weights and inner >> 3 == _INITIALIZER_FIELD and inner & 7 == _LENGTH_DELIMITED:
                         skip, _ = _read_varint(f)
                         f.seek(skip, os.SEEK_CUR)
                     else:
