@@ -34,7 +34,7 @@ from benchdoc import write_section
 
 NAME = Path(__file__).stem
 MODELS = ("mlp", "resnet-tiny", "inception-tiny", "transformer-tiny", "gpt2-tiny", "bert-tiny", "two-io")
-#: Zoo knobs per model: one training step takes roughly 60-150 ms on cpu2 (per micro-batch stage compute of
+#: Zoo knobs per model: one training step takes 100-160 ms on cpu2, 185-280 ms on cpu4 (per micro-batch stage compute of
 #: milliseconds), so fixed per-message costs (tens of microseconds) are small against a stage's compute.
 KNOBS: dict[str, dict[str, int | bool]] = {
     "mlp": {"layers": 8, "width": 1024, "in_features": 512, "batch": 128},
