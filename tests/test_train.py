@@ -125,7 +125,7 @@ MATRIX = [(name, k, schedule, recompute) for name in TRAINABLE for k in (2, 3, 4
           for recompute in ("never", "always")]
 
 
-MATRIX += [(name, k, schedule, recompute) for name in REWRITTEN for k in (2, 3) for schedule in ("gpipe", "1f1b")
+MATRIX += [(name, k, schedule, recompute) for name in REWRITTEN for k in (2, 3, 4) for schedule in ("gpipe", "1f1b")
            for recompute in ("never", "always")]
 
 
