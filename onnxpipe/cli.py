@@ -562,7 +562,7 @@ def simulate_command(
 @friendly
 def report_command(
     plan_path: str = typer.Argument(..., metavar="DIR|PLAN", help="A stage directory (holding plan.json) or a plan JSON."),
-    output: str = typer.Option("report.html", "-o", "--output", help="The HTML page; the figures go beside it as report_*.png."),
+    output: str = typer.Option("report.html", "-o", "--output", help="The HTML page; the figures go beside it as <name>_*.png."),
     target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
     model: str = typer.Option(None, "--model", help="The .onnx the plan was made for (default: the plan's model path, if it exists)."),
     schedule: str = typer.Option(None, "--schedule", help="Draw another schedule: gpipe or 1f1b (default: the plan's)."),

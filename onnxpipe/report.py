@@ -48,7 +48,8 @@ def write(
     costs: Costs | None = None,
     measured: Sequence[Event] | None = None,
 ) -> tuple[Path, ...]:
-    """Write `path` (HTML with the figures embedded) and the figures beside it as `report_*.png`.
+    """Write `path` (HTML with the figures embedded) and the figures beside it as `<stem>_*.png`, so two
+    reports in one directory keep their own pictures.
 
     `measured` is a timeline in the simulator's event format (e.g. recorded by the executor); it is
     drawn under the simulated one on the same time axis. The model strip needs `graph` and `costs`.
@@ -64,7 +65,7 @@ def write(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for name, data in pngs.items():
-            written.append(write_bytes(path.with_name(f"report_{name}.png"), data))
+            written.append(write_bytes(path.with_name(f"{path.stem}_{name}.png"), data))
         written.append(write_bytes(path, page.encode("utf-8")))
     except OSError as exc:  # all or nothing: drop the figures already written
         for done in written:

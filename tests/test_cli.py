@@ -131,7 +131,7 @@ def test_simulate_and_report(work: Path) -> None:
     out = ok("report", "plan.json", "-o", "report/index.html", cwd=work)
     assert "index.html" in out
     page = (work / "report" / "index.html").read_text()
-    assert "<html" in page.lower() and (work / "report" / "report_gantt.png").stat().st_size > 0
+    assert "<html" in page.lower() and (work / "report" / "index_gantt.png").stat().st_size > 0
 
 
 def test_train(work: Path) -> None:

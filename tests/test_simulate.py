@@ -245,7 +245,7 @@ def test_report_embeds_figures(tmp_path) -> None:
     plan = replace(plan, stages=(replace(plan.stages[0], nodes=("mm0",)), replace(plan.stages[1], nodes=("relu",))))
     sim = simulate(plan, plan_target(plan))
     written = report.write(tmp_path / "r.html", plan, sim, graph=graph, costs=annotate(graph), measured=sim.events)
-    assert sorted(p.name for p in written) == ["r.html", "report_gantt.png", "report_memory.png", "report_model.png"]
+    assert sorted(p.name for p in written) == ["r.html", "r_gantt.png", "r_memory.png", "r_model.png"]
     page = (tmp_path / "r.html").read_text()
     assert page.count("data:image/png;base64,") == 3
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written if p.suffix == ".png")
@@ -269,7 +269,7 @@ def test_cli_simulate_and_report(tmp_path) -> None:
     run = _cli("report", "stages/plan.json", "-o", "out.html", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "data:image/png;base64," in (tmp_path / "out.html").read_text()
-    assert (tmp_path / "report_gantt.png").is_file() and (tmp_path / "report_memory.png").is_file()
+    assert (tmp_path / "out_gantt.png").is_file() and (tmp_path / "out_memory.png").is_file()
     bad = _cli("simulate", "missing.json", cwd=tmp_path)
     assert bad.returncode == 2 and "no such plan file" in bad.stderr
 

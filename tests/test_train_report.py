@@ -59,4 +59,4 @@ def test_train_report_holds_simulated_and_measured_schedules(tmp_path: Path) -> 
     plan = read_plan(stages)
     alone = tmp_path / "alone" / "sim.html"
     report.write(alone, plan, simulate(plan, load_target("cpu2"), schedule="gpipe", microbatches=2))
-    assert _png_height(out.with_name("report_gantt.png")) > 1.4 * _png_height(alone.with_name("report_gantt.png"))
+    assert _png_height(out.with_name("train_gantt.png")) > 1.4 * _png_height(alone.with_name("sim_gantt.png"))
