@@ -17,21 +17,17 @@ import numpy as np
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
 from onnxpipe.manifest import Manifest, Stage, StageInput
+from onnxpipe.ortutil import cpu_session, ort_reason
 
 __all__ = ["chain", "run_pipeline", "check_feeds", "session", "read_npz", "write_npz"]
 
 
 def session(path: str | os.PathLike) -> object:
     """An onnxruntime CPU session with quiet logs."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return cpu_session(path)
     except Exception as exc:  # onnxruntime raises its own unrelated types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise OnnxpipeError(f"{path}: onnxruntime cannot load it ({first}); re-split the model with `onnxpipe split`") from exc
+        raise OnnxpipeError(f"{path}: onnxruntime cannot load it ({ort_reason(exc)}); re-split the model with `onnxpipe split`") from exc
 
 
 def check_feeds(inputs: tuple[StageInput, ...], feeds: Mapping[str, np.ndarray], microbatches: int = 1) -> dict[str, np.ndarray]:

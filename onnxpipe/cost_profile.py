@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
-from onnxpipe.ortutil import quiet_stderr
+from onnxpipe.ortutil import cpu_session, gradient_model
 
 __all__ = ["profile_times"]
 
@@ -72,22 +72,13 @@ def _feeds(graph: Graph) -> dict[str, np.ndarray]:
 
 def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, tag: str, runs: int, warmup: int) -> dict[str, float]:
     """Node name -> median over the measured runs of its summed kernel time in each run."""
-    import onnxruntime as ort
-
     path = os.path.join(tmp, f"{tag}.onnx")
     if model.ByteSize() >= _TWO_GB:
         onnx.save_model(model, path, save_as_external_data=True, location=f"{tag}.onnx.data")
     else:
         onnx.save_model(model, path)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(tmp, tag)
-    options.log_severity_level = 3
     try:
-        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        session = cpu_session(path, threads=1, optimize=False, profile_prefix=os.path.join(tmp, tag))
         wanted = {i.name for i in session.get_inputs()}
         feed = {k: v for k, v in feeds.items() if k in wanted}
         for _ in range(warmup + runs):
@@ -130,8 +121,6 @@ def _medians(events: list[dict], warmup: int) -> dict[str, float]:
 
 def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | None:
     """The model plus a scalar loss and its gradient graph, None when onnxruntime cannot build one."""
-    from onnxruntime.capi._pybind_state import GradientGraphBuilder
-
     floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
     used = {t for n in graph.compute_nodes for t in graph.node_inputs(n)}
     wanted = {p for p in graph.parameters if p in used} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
@@ -145,10 +134,7 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     else:
         loss = _append_sum_loss(lossy.graph, floats)
     try:
-        with quiet_stderr():
-            builder = GradientGraphBuilder(lossy.SerializeToString(), {loss}, wanted, loss)
-            builder.build()
-        return onnx.load_from_string(builder.get_model())
+        return gradient_model(lossy.SerializeToString(), loss, wanted)
     except Exception:  # ops without gradients: fall back to the FLOP ratio
         return None
 

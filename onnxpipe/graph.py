@@ -19,6 +19,7 @@ import onnx
 from onnx import helper, shape_inference
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.ortutil import cpu_session
 from onnxpipe.protostream import is_streamable, raw_nbytes, read_model, skeleton
 
 __all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
@@ -325,8 +326,6 @@ def _tensor_infos(model: onnx.ModelProto, origin: str) -> dict[str, TensorInfo]:
 
 def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) -> dict[str, TensorInfo]:
     """Shapes static inference could not find, read off one run on zero inputs in onnxruntime."""
-    import onnxruntime as ort
-
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     del probe.graph.output[:]
@@ -334,10 +333,7 @@ def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) 
     if probe.ir_version > 10:
         probe.ir_version = 10
     try:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
-        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = cpu_session(probe.SerializeToString(), optimize=False)
         feeds = {}
         for vi in model.graph.input:
             dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)

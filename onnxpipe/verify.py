@@ -13,6 +13,7 @@ import numpy as np
 from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
+from onnxpipe.ortutil import cpu_session
 from onnxpipe.split import MAX_IR_VERSION
 
 __all__ = ["verify", "random_feeds", "relative_error", "TOLERANCE"]
@@ -90,8 +91,4 @@ def _original_session(path: Path) -> object:
         if model.ir_version <= MAX_IR_VERSION:
             raise
         model.ir_version = MAX_IR_VERSION
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return cpu_session(model.SerializeToString())

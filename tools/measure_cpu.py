@@ -21,9 +21,9 @@ from multiprocessing import Pipe, Process, shared_memory
 from multiprocessing.connection import Connection
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from onnxpipe.ortutil import cpu_session
 from onnxpipe.train.prepare import TrainConfig, prepare_single
 from onnxpipe.train.stage import StageRunner
 from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
@@ -73,7 +73,7 @@ def shm_handoff_seconds() -> dict[int, float]:
     for n in SHM_SIZES:
         src = np.ones(n, np.uint8)
 
-        def handoff() -> None:
+        def handoff(buf: np.ndarray = buf, n: int = n, src: np.ndarray = src) -> None:
             buf[:n] = src
             ours.send(n)
             ours.recv()
@@ -90,17 +90,14 @@ def shm_handoff_seconds() -> dict[int, float]:
 def ort_node_seconds(k: int = 200) -> float:
     """Extra seconds per tiny node in a one-thread onnxruntime session."""
 
-    def session(nodes: int) -> ort.InferenceSession:
+    def session(nodes: int) -> object:
         chain = [helper.make_node("Relu", ["x" if i == 0 else f"t{i - 1}"], [f"t{i}"]) for i in range(nodes)]
         graph = helper.make_graph(
             chain, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])], [helper.make_tensor_value_info(f"t{nodes - 1}", TensorProto.FLOAT, [8])]
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         model.ir_version = 9
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = options.inter_op_num_threads = 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return cpu_session(model.SerializeToString(), threads=1, optimize=False)
 
     x = {"x": np.ones(8, np.float32)}
     one, many = session(1), session(k + 1)
@@ -209,9 +206,7 @@ def _ort_chain(conn: Connection, runs: int) -> None:
                               [helper.make_tensor_value_info(x, TensorProto.FLOAT, [64, 256])], weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = cpu_session(model.SerializeToString(), threads=1)
     feed = {"x": np.random.rand(64, 256).astype(np.float32)}
     conn.recv()
     start = time.perf_counter()

@@ -7,7 +7,6 @@ Reading order: `Assignment` -> `evaluate` -> `_ensure_assignment` -> `_tied` -> 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np

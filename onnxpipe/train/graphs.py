@@ -22,8 +22,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.ortutil import quiet_logger, quiet_stderr
 from onnxpipe.graph import is_weight
+from onnxpipe.ortutil import cpu_session, gradient_model, ort_reason, quiet_logger, quiet_stderr
 
 __all__ = [
     "StageGraphs",
@@ -261,27 +261,15 @@ def _pretraining_rewrite(model: onnx.ModelProto, trained: set[str], origin: str)
         with quiet_stderr():
             rewritten = get_optimized_model(model.SerializeToString(), trained, SessionOptions())
     except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
-        raise OnnxpipeError(f"{origin}: onnxruntime's pre-training rewrites failed: {_ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
+        raise OnnxpipeError(f"{origin}: onnxruntime's pre-training rewrites failed: {ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
     return onnx.load_from_string(rewritten)
 
 
-def _ort_reason(exc: Exception) -> str:
-    """The reason in an onnxruntime error: its first line, after the source location and status code (separated by " : ")."""
-    lines = str(exc).strip().splitlines()
-    return lines[0].split(" : ")[-1][:300] if lines else type(exc).__name__
-
-
 def _gradient_model(model: onnx.ModelProto, trained: set[str], origin: str) -> onnx.ModelProto:
-    from onnxruntime.capi._pybind_state import GradientGraphBuilder
-
-    quiet_logger()
     try:
-        with quiet_stderr():  # the builder logs every pass at info level whatever the severity
-            builder = GradientGraphBuilder(model.SerializeToString(), {TOTAL_LOSS}, trained, TOTAL_LOSS)
-            builder.build()
-        return onnx.load_from_string(builder.get_model())
+        return gradient_model(model.SerializeToString(), TOTAL_LOSS, trained)
     except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
-        raise OnnxpipeError(f"{origin}: onnxruntime-training could not build the gradient graph: {_ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
+        raise OnnxpipeError(f"{origin}: onnxruntime-training could not build the gradient graph: {ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -337,17 +325,12 @@ def _value_types(model: onnx.ModelProto, forward_nodes: Sequence[onnx.NodeProto]
 def _ort_types(probe: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Types onnxruntime infers for every node output (onnx knows no contrib op such as LSTMTraining):
     the nodes' outputs become untyped graph outputs of a session whose declared outputs are then read."""
-    import onnxruntime as ort
-
     typed = onnx.ModelProto()
     typed.CopyFrom(probe)
     del typed.graph.output[:]
     typed.graph.output.extend(onnx.ValueInfoProto(name=o) for n in typed.graph.node for o in n.output if o)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    quiet_logger()
     try:
-        outputs = ort.InferenceSession(typed.SerializeToString(), options, providers=["CPUExecutionProvider"]).get_outputs()
+        outputs = cpu_session(typed.SerializeToString(), optimize=False).get_outputs()
     except Exception:  # leave the declared types; `_value_info` names the tensor it misses
         return {}
     types = {}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnxpipe.ortutil import quiet_logger
+from onnxpipe.ortutil import cpu_session
 from onnxpipe.schedule import Action
 from onnxpipe.train.graphs import StageGraphs, grad_input_name, grad_name
 from onnxpipe.train.layout import Layout
@@ -74,14 +74,7 @@ class StageSpec:
 
 
 def make_session(model: bytes, threads: int):  # -> onnxruntime.InferenceSession
-    import onnxruntime as ort
-
-    quiet_logger()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = max(1, threads)
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return cpu_session(model, threads=max(1, threads))
 
 
 @dataclass
