@@ -1,4 +1,7 @@
-"""First-principles lower bounds: no plan on this target can beat them, whatever the partition."""
+"""First-principles lower bounds: no plan on this target can beat them, whatever the partition.
+
+The work LP and the largest node ignore that a stage is contiguous and runs on one device group; the
+chain bound (`onnxpipe.plan.chainbound`) adds both, with the all-reduce of replicated stages."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
+from onnxpipe.plan.chainbound import chain_bound
 from onnxpipe.plan.problem import Problem
 
 __all__ = ["LowerBound", "lower_bound"]
@@ -21,6 +25,8 @@ class LowerBound:
     work_seconds: float
     #: The heaviest node on its fastest device, split over as many replicas as a stage can get.
     node_seconds: float
+    #: Contiguous stages on one device group each, over the chain of clean gaps (`chain_bound`).
+    chain_seconds: float
     #: Least bytes some device must hold in any plan: the largest node's parameters, gradients,
     #: optimizer state and one micro-batch of its activations, or all parameter state spread evenly.
     memory_bytes: float
@@ -29,7 +35,7 @@ class LowerBound:
 
     @property
     def seconds(self) -> float:
-        return max(self.work_seconds, self.node_seconds)
+        return max(self.work_seconds, self.node_seconds, self.chain_seconds)
 
     @property
     def fits(self) -> bool:
@@ -49,6 +55,7 @@ def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBo
     return LowerBound(
         work_seconds=_work_bound(work, counts, usable),
         node_seconds=node,
+        chain_seconds=chain_bound(problem, stages, replicas),
         memory_bytes=max(per_node, spread),
         capacity_bytes=float(np.max(problem.capacity)),
     )

@@ -1,0 +1,232 @@
+"""A lower bound on the bottleneck from the graph's chain of clean gaps: it knows that a stage is
+contiguous and runs on one device group, which the fractional work bound does not.
+
+Reading order: `Segments` / `segments` (graph only, cached) -> `chain_bound` -> `_Chain` (per problem)
+-> `_feasible` (the DP for one T) -> `_Chain.reach`.
+
+Why it is valid (for plans whose stages each run on replicas of one device group, as the planner, the
+DP and the baselines build them; `evaluate` prices a stage of mixed groups at its slowest group's
+speed, a case this bound does not cover):
+
+1. Every stage of a plan is a difference of nested downsets of the compute-node DAG (data flows to the
+   same or a later stage). A gap p of the topological order is CLEAN when every node after p has every
+   node before p as an ancestor: then every downset lies inside the prefix or contains all of it, so
+   clean gaps are the same in any topological order, and they cut the nodes into SEGMENTS whose stage
+   ranges never overlap except at one shared stage per gap.
+2. Dropping nodes only lowers stage times, so the bound may ignore some: nodes no path reaches from the
+   first compute node (e.g. label preprocessing that depends on model inputs alone) are dropped when
+   that leaves more segments. Ancestry stays the full graph's.
+3. Map a plan to a walk over positions x = i + f (segments 0..i-1 done, fraction f of segment i done,
+   measured in the work of the last stage's group g): a stage on g continuing from a stage on g starts
+   at x, which charges it exactly its own work on g (any split of a segment between two stages on one
+   group has the same total work on it); a stage on another group starts at floor(x) + 1, dropping the
+   segment where the group changes (charged to nobody). A stage then pays its charged work / r, the
+   all-reduce of the parameters of the whole segments it covers (as `Target.allreduce_seconds`, over
+   the micro-batches), the least latency of a message into its group when it starts after position 0
+   and ends past max(start, 1) (some earlier node is then an ancestor of one of its nodes), and the
+   least latency out of its group when it starts before the last segment and ends past its start but
+   before the end (one of its nodes is then an ancestor of a later stage's). Every term is at most what
+   `evaluate` charges, and none grows when the start moves later.
+4. For a given T the DP keeps, per (stages used, devices used per group, group of the last stage), the
+   farthest position: a farther start never costs more, so farther dominates. T is feasible iff some
+   walk of exactly `stages` stages (empty ones allowed) within the device counts reaches the end; the
+   bound is the largest infeasible T found by bisection. Memory and recompute only add, so are ignored.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxpipe.plan.problem import Problem
+
+__all__ = ["Segments", "segments", "chain_bound"]
+
+#: Bisection stops when the interval is this fraction of the starting upper bound.
+_PRECISION = 1e-6
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The compute nodes cut at clean gaps."""
+
+    #: (nodes,) segment index of each node in topological order; -1 for a node the bound drops.
+    of: np.ndarray
+    #: Number of segments.
+    count: int
+
+
+#: Segments by graph fingerprint (the compute nodes and their edges); a handful of graphs at most.
+_CACHE: dict[str, Segments] = {}
+_CACHED_GRAPHS = 16
+
+
+def segments(problem: Problem) -> Segments:
+    """The problem's segments; they depend on the graph alone, so are computed once per graph."""
+    key = problem.graph.fingerprint
+    if key not in _CACHE:
+        preds: list[list[int]] = [[] for _ in range(problem.n)]
+        for p, consumers in zip(problem.tensor_producer, problem.tensor_consumers):
+            if p >= 0:
+                for c in consumers:
+                    preds[int(c)].append(int(p))
+        ancestors = _ancestors(preds)
+        unreached = sum(1 << v for v in range(1, problem.n) if not ancestors[v] & 1)
+        if len(_CACHE) >= _CACHED_GRAPHS:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = max((_cut(ancestors, dropped) for dropped in (0, unreached)), key=lambda s: s.count)
+    return _CACHE[key]
+
+
+def _ancestors(preds: list[list[int]]) -> list[int]:
+    """Per node, its ancestors as a bitset (bit u set: node u is an ancestor)."""
+    out: list[int] = []
+    for v, ps in enumerate(preds):
+        a = 0
+        for u in ps:
+            a |= out[u] | (1 << u)
+        out.append(a)
+    return out
+
+
+def _cut(ancestors: list[int], dropped: int) -> Segments:
+    """Segments of the kept nodes: gap p is clean iff every kept node v >= p has all kept nodes before
+    p as ancestors, i.e. iff p <= e(v), e(v) the first position that is neither ancestor nor dropped."""
+    n = len(ancestors)
+    clean = np.zeros(n + 1, dtype=bool)
+    reach = n
+    for v in range(n - 1, -1, -1):
+        if not dropped >> v & 1:
+            a = ancestors[v] | dropped
+            reach = min(reach, min(v, ((~a) & (a + 1)).bit_length() - 1))
+        clean[v] = reach >= v
+    kept = np.array([not dropped >> v & 1 for v in range(n)])
+    index = np.cumsum(clean[:n] & kept) - 1
+    return Segments(of=np.where(kept, index, -1), count=int(index[kept].max()) + 1)
+
+
+def chain_bound(problem: Problem, stages: int, replicas: bool = True) -> float:
+    """Least bottleneck (seconds per micro-batch) of the chain relaxation; 0 when no walk fits."""
+    chain = _Chain(problem, segments(problem), replicas)
+    high = min(chain.total(g) for g in range(len(chain.counts)))
+    if not _feasible(chain, stages, high):
+        return 0.0
+    low = 0.0
+    while high - low > _PRECISION * high:
+        mid = (low + high) / 2
+        if _feasible(chain, stages, mid):
+            high = mid
+        else:
+            low = mid
+    return low
+
+
+class _Chain:
+    """Prefix sums per group (work) and per group and replica count (work / r + all-reduce slope)."""
+
+    def __init__(self, problem: Problem, segs: Segments, replicas: bool) -> None:
+        from onnxpipe.plan.dp import allreduce_affine  # dp -> layout -> evaluate -> bounds -> here
+
+        kept = segs.of >= 0
+        of = segs.of[kept]
+        work = (problem.forward + problem.backward)[:, kept]
+        self.m = segs.count
+        self.counts = [len(d) for d in problem.group_devices]
+        self.most = [c if replicas else 1 for c in self.counts]
+        groups = range(len(self.counts))
+        self.seg_work = [np.bincount(of, weights=work[g], minlength=self.m) for g in groups]
+        # A segment's parameters are surely all-reduced only where each of its nodes takes time on g:
+        # then a stage covering it whole (in positions) holds every one of its nodes.
+        timed = [np.bincount(of, weights=(work[g] <= 0).astype(float), minlength=self.m) == 0 for g in groups]
+        params = np.bincount(of, weights=problem.params[kept], minlength=self.m)
+        self.prefix = [[0.0, *np.cumsum(w).tolist()] for w in self.seg_work]
+        self.params = [[0.0, *np.cumsum(params * t).tolist()] for t in timed]
+        self.seg = [w.tolist() for w in self.seg_work]
+        latency = problem.latency
+        ok = [[self.counts[h] >= (2 if h == g else 1) for h in groups] for g in groups]
+        self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
+        self.lat_out = [min((float(latency[g, h]) for h in groups if ok[g][h]), default=0.0) for g in groups]
+        self.allreduce: dict[tuple[int, int], tuple[float, float, list[float]]] = {}
+        for g in groups:
+            for r in range(1, self.most[g] + 1):
+                fixed, slope = allreduce_affine(problem, g, r) if r > 1 else (0.0, 0.0)
+                fixed, slope = fixed / problem.microbatches, slope / problem.microbatches
+                q = [w / r + slope * p for w, p in zip(self.prefix[g], self.params[g])]
+                self.allreduce[g, r] = (fixed, slope, q)
+
+    def total(self, g: int) -> float:
+        return self.prefix[g][-1]
+
+    def covered(self, g: int, x: float) -> float:
+        i = min(int(x), self.m - 1)
+        return self.prefix[g][i] + (x - i) * self.seg[g][i]
+
+    def reach(self, g: int, r: int, a: float, t: float) -> float:
+        """Farthest position (a supremum) a stage on r replicas of g starting at a can cover within t."""
+        m = self.m
+        lat_in = self.lat_in[g] if a > 0 else 0.0
+        lat_out = self.lat_out[g] if a < m - 1 else 0.0
+        if self._cost(g, r, a, m) + (lat_in if m > max(a, 1.0) else 0.0) <= t:
+            return float(m)
+        early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out))
+        return min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out)))
+
+    def _cost(self, g: int, r: int, a: float, y: float) -> float:
+        fixed, slope, _ = self.allreduce[g, r]
+        first, last = math.ceil(a), math.floor(y)
+        params = self.params[g][last] - self.params[g][first] if last > first else 0.0
+        return (self.covered(g, y) - self.covered(g, a)) / r + (fixed + slope * params if params > 0 else 0.0)
+
+    def _solve(self, g: int, r: int, a: float, budget: float) -> float:
+        """Farthest y >= a with work / r + all-reduce <= budget (a when budget < 0)."""
+        if budget < 0:
+            return a
+        prefix, seg, params = self.prefix[g], self.seg[g], self.params[g]
+        first = math.ceil(a)
+        start = self.covered(g, a)
+        # No whole segment with parameters: up to the first such segment's end, work alone.
+        free = bisect.bisect_right(params, params[min(first, self.m)]) - 1
+        y = self._inverse(prefix, seg, start + budget * r)
+        best = min(y, float(free + 1)) if free < self.m else y
+        fixed, slope, q = self.allreduce[g, r]
+        rest = budget - fixed + start / r + slope * params[min(first, self.m)]
+        j = bisect.bisect_right(q, rest) - 1
+        if j >= first and j >= 0:
+            if j >= self.m:
+                return float(self.m)
+            step = seg[j] / r
+            best = max(best, j + (min(1.0, (rest - q[j]) / step) if step > 0 else 1.0))
+        return max(a, best)
+
+    def _inverse(self, prefix: list[float], seg: list[float], c: float) -> float:
+        j = bisect.bisect_right(prefix, c) - 1
+        if j >= self.m:
+            return float(self.m)
+        return j + (min(1.0, (c - prefix[j]) / seg[j]) if seg[j] > 0 else 1.0)
+
+
+def _feasible(chain: _Chain, stages: int, t: float) -> bool:
+    """Some walk of exactly `stages` stages within the device counts covers every segment in time t."""
+    devices = sum(chain.counts)
+    groups = range(len(chain.counts))
+    level: dict[tuple[tuple[int, ...], int], float] = {((0,) * len(chain.counts), -1): 0.0}
+    for j in range(stages):
+        nxt: dict[tuple[tuple[int, ...], int], float] = {}
+        spare = devices - (stages - j - 1)
+        for (used, last), x in level.items():
+            for g in groups:
+                start = x if last in (-1, g) else min(float(chain.m), math.floor(x) + 1.0)
+                for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):
+                    if sum(used) + r > spare:
+                        break
+                    y = chain.reach(g, r, start, t)
+                    if y >= chain.m:
+                        return True
+                    key = (used[:g] + (used[g] + r,) + used[g + 1:], g)
+                    if y > nxt.get(key, -1.0):
+                        nxt[key] = y
+        level = nxt
+    return False

@@ -1,0 +1,174 @@
+"""The chain lower bound: its clean gaps, never above brute force (heterogeneous and replicated), and
+tighter than the work and node bounds where stages must be contiguous on one group or pay all-reduce."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+from test_plan import chain_model
+
+from onnxpipe.cost import Costs, NodeCost, annotate
+from onnxpipe.graph import load
+from onnxpipe.models import build
+from onnxpipe.plan import Assignment, build_problem, evaluate, lower_bound, plan
+from onnxpipe.plan.chainbound import chain_bound, segments
+from onnxpipe.target import Device, Link, Target, load_target
+
+
+def two_branch_model() -> onnx.ModelProto:
+    """a -> (b | c) -> d -> e, and a late label node l (reads only input y) joined at the end by z."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="a"),
+        helper.make_node("Relu", ["a"], ["b"], name="b"),
+        helper.make_node("Relu", ["a"], ["c"], name="c"),
+        helper.make_node("Add", ["b", "c"], ["d"], name="d"),
+        helper.make_node("Relu", ["d"], ["e"], name="e"),
+        helper.make_node("Relu", ["y"], ["l"], name="l"),
+        helper.make_node("Add", ["e", "l"], ["z"], name="z"),
+    ]
+    io = [helper.make_tensor_value_info(t, TensorProto.FLOAT, [2, 4]) for t in ("x", "y", "z")]
+    graph = helper.make_graph(nodes, "branches", io[:2], io[2:])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_clean_gaps_of_a_hand_made_graph() -> None:
+    graph = load(two_branch_model())
+    problem = build_problem(graph, mixed_costs(graph, [1e6] * 7), mixed_target(2), batch=2, microbatches=1)
+    of = dict(zip(problem.nodes, segments(problem).of.tolist()))
+    # l reads only a model input: kept, it would leave one clean gap (before z); dropped, five segments.
+    assert of == {"a": 0, "b": 1, "c": 1, "d": 2, "e": 3, "l": -1, "z": 4}
+    assert segments(problem).count == 5
+
+
+def mixed_costs(graph, flops: list[float], params: list[float] | None = None) -> Costs:  # type: ignore[no-untyped-def]
+    """Matmuls where flops are large, cheap elementwise ops elsewhere."""
+    params = params or [0.0] * len(flops)
+    return Costs(
+        nodes={
+            n: NodeCost(op_type="MatMul" if f > 1e7 else "Relu", op_class="matmul" if f > 1e7 else "default", flops=f,
+                        bytes_read=0.0, bytes_written=0.0, param_bytes=p, activation_bytes=1e3, backward_flops=2 * f,
+                        backward_bytes=0.0)
+            for n, f, p in zip(graph.compute_nodes, flops, params)
+        },
+        unknown_ops=(),
+        profiled=False,
+    )
+
+
+def mixed_target(count: int, latency: float = 1e-5, bandwidth: float = 1e9) -> Target:
+    """A fast device with a large per-op overhead ("gpu") and a slow one with a small one ("fpga")."""
+    spec = {"gpu": (1e13, 2e-4), "fpga": (1e12, 1e-6)}
+    devices = tuple(
+        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e12, memory_bandwidth=1e12,
+               efficiency={"default": 1.0}, op_overhead=overhead)
+        for g, (peak, overhead) in spec.items() for i in range(count)
+    )
+    links = tuple(Link(between=(a, b), bandwidth=bandwidth, latency=latency, topology="switch")
+                  for a, b in itertools.combinations_with_replacement(spec, 2))
+    return Target(name="mixed", description="", devices=devices, links=links, profile=False, source="<test>")
+
+
+def one_group_target(count: int, latency: float, bandwidth: float) -> Target:
+    devices = tuple(
+        Device(name=f"a{i}", group="a", kind="gpu", peak_flops={"float32": 1e12}, memory_bytes=1e12, memory_bandwidth=1e12,
+               efficiency={"default": 1.0}, op_overhead=1e-6)
+        for i in range(count)
+    )
+    link = Link(between=("a", "a"), bandwidth=bandwidth, latency=latency, topology="switch")
+    return Target(name="one", description="", devices=devices, links=(link,), profile=False, source="<test>")
+
+
+def optimum(problem, stages: int) -> float:  # type: ignore[no-untyped-def]
+    """Least bottleneck over every forward-flowing assignment and every (group, replicas) per stage:
+    devices of one group are interchangeable, so taking each group's first free ones loses nothing."""
+    n = problem.n
+    edges = [(int(p), int(c)) for p, cs in zip(problem.tensor_producer, problem.tensor_consumers) if p >= 0 for c in cs]
+    options = [(g, r) for g, devs in enumerate(problem.group_devices) for r in range(1, len(devs) + 1)]
+    best = np.inf
+    for stage_of in itertools.product(range(stages), repeat=n):
+        if len(set(stage_of)) < stages or any(stage_of[p] > stage_of[c] for p, c in edges):
+            continue
+        nodes = tuple(tuple(problem.nodes[i] for i in range(n) if stage_of[i] == s) for s in range(stages))
+        for picks in itertools.product(options, repeat=stages):
+            taken = [0] * len(problem.group_devices)
+            devices = []
+            for g, r in picks:
+                devices.append(problem.group_devices[g][taken[g]:taken[g] + r])
+                taken[g] += r
+            if any(len(d) < r for d, (_, r) in zip(devices, picks)):
+                continue
+            p = evaluate(problem, Assignment(nodes, tuple(devices), (False,) * stages))
+            best = min(best, p.bottleneck_seconds)
+    return best
+
+
+def random_dag(data: st.DataObject) -> tuple[int, dict[int, int], list[float], list[float]]:
+    n = data.draw(st.integers(3, 5))
+    skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
+    flops = data.draw(st.lists(st.sampled_from([1e5, 1e6, 1e9, 3e9]), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=n, max_size=n))
+    return n, skips, flops, params
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.sampled_from([1e-6, 1e-4]), st.integers(2, 3))
+def test_never_above_brute_force_on_heterogeneous_targets(data: st.DataObject, latency: float, stages: int) -> None:
+    n, skips, flops, params = random_dag(data)
+    graph = load(chain_model(n, skips))
+    problem = build_problem(graph, mixed_costs(graph, flops, params), mixed_target(1 if stages == 3 else 2, latency), batch=graph.batch * 2, microbatches=2)
+    best = optimum(problem, stages)
+    assert chain_bound(problem, stages) <= best * (1 + 1e-9)
+    assert lower_bound(problem, stages).seconds <= best * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.sampled_from([1e-6, 1e-4]), st.sampled_from([1e7, 1e9]))
+def test_never_above_brute_force_with_replicated_stages(data: st.DataObject, latency: float, bandwidth: float) -> None:
+    n, skips, flops, params = random_dag(data)
+    graph = load(chain_model(n, skips))
+    problem = build_problem(graph, mixed_costs(graph, flops, params), one_group_target(4, latency, bandwidth), batch=graph.batch * 2, microbatches=2)
+    best = optimum(problem, 2)
+    assert chain_bound(problem, 2) <= best * (1 + 1e-9)
+    assert chain_bound(problem, 2, replicas=False) <= optimum_unreplicated(problem) * (1 + 1e-9)
+
+
+def optimum_unreplicated(problem) -> float:  # type: ignore[no-untyped-def]
+    n = problem.n
+    edges = [(int(p), int(c)) for p, cs in zip(problem.tensor_producer, problem.tensor_consumers) if p >= 0 for c in cs]
+    best = np.inf
+    for stage_of in itertools.product(range(2), repeat=n):
+        if len(set(stage_of)) == 2 and all(stage_of[p] <= stage_of[c] for p, c in edges):
+            nodes = tuple(tuple(problem.nodes[i] for i in range(n) if stage_of[i] == s) for s in range(2))
+            devices = tuple((d,) for d in problem.group_devices[0][:2])
+            best = min(best, evaluate(problem, Assignment(nodes, devices, (False, False)), replicas=False).bottleneck_seconds)
+    return best
+
+
+def test_strictly_tighter_where_a_stage_cannot_mix_devices() -> None:
+    # The fractional bound gives each matmul to the GPUs and every cheap op to the FPGAs; a contiguous
+    # stage on one group cannot: 20 alternating layers on one GPU + one FPGA.
+    graph = load(chain_model(40, {}))
+    costs = mixed_costs(graph, [3e9 if i % 2 else 1e5 for i in range(40)])
+    problem = build_problem(graph, costs, mixed_target(1), batch=graph.batch * 2, microbatches=2)
+    bound = lower_bound(problem, 2)
+    p = plan(graph, costs, mixed_target(1), stages=2, microbatches=2, time_limit=5)
+    assert max(bound.work_seconds, bound.node_seconds) * 1.15 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    assert p.lower_bound_seconds == bound.seconds == bound.chain_seconds
+    assert bound.chain_seconds == pytest.approx(p.bottleneck_seconds, rel=0.05)
+
+
+def test_strictly_tighter_where_replicas_pay_the_all_reduce() -> None:
+    graph = load(build("gpt2-tiny"))
+    costs, target = annotate(graph), load_target("fpga4")
+    p = plan(graph, costs, target, stages=2, time_limit=10)
+    problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches)
+    bound = lower_bound(problem, 2)
+    assert any(s.allreduce_seconds > 0 for s in p.stages)
+    assert max(bound.work_seconds, bound.node_seconds) * 1.03 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    assert p.lower_bound_seconds == bound.seconds
