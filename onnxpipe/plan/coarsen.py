@@ -1,5 +1,6 @@
 """Coarsening: contract runs of the topological order into blocks whose boundaries sit where few bytes
-are live, so the solvers see hundreds of blocks instead of thousands of nodes.
+are live, so the solvers see hundreds of blocks instead of thousands of nodes; `refine` splits them
+again around a plan's stage cuts, so a second solve can place those cuts between single nodes.
 
 Rounding a cut of the node-level problem that falls inside a block to that block's nearer boundary
 (by work) moves at most `rounding_seconds` of work onto a stage: what coarsening can cost in compute
@@ -14,7 +15,7 @@ import numpy as np
 
 from onnxpipe.plan.problem import Problem
 
-__all__ = ["Blocks", "coarsen", "live_bytes"]
+__all__ = ["Blocks", "coarsen", "refine", "live_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +44,10 @@ class Blocks:
     def nodes(self, problem: Problem, first: int, last: int) -> tuple[str, ...]:
         """Names of the nodes of blocks first..last-1."""
         return problem.nodes[self.starts[first] : self.starts[last]]
+
+    def per_node(self, values: np.ndarray) -> np.ndarray:
+        """(nodes,) the value of each node's block."""
+        return np.repeat(values, np.diff(self.starts))
 
 
 def live_bytes(problem: Problem) -> np.ndarray:
@@ -79,11 +84,26 @@ def coarsen(problem: Problem, max_blocks: int) -> Blocks:
     return _blocks(problem, starts)
 
 
+def refine(problem: Problem, blocks: Blocks, node_stage: np.ndarray) -> Blocks:
+    """Blocks for the neighbourhood of a plan (`node_stage`: stage of each node): every block holding a node
+    on either side of a stage change split into single nodes; each run of the other blocks (all of one
+    stage) merged into one. The plan itself, and every plan moving its cuts within the split blocks, is
+    made of them (a cut at a block boundary may move by a block either way)."""
+    block_of = blocks.per_node(np.arange(blocks.count))
+    cuts = np.flatnonzero(node_stage[1:] != node_stage[:-1]) + 1
+    split = np.zeros(blocks.count + 1, dtype=np.int64)
+    np.add.at(split, block_of[cuts - 1], 1)
+    np.add.at(split, block_of[cuts] + 1, -1)
+    chosen = np.flatnonzero(np.cumsum(split)[:-1] > 0)
+    inner = [np.arange(blocks.starts[b], blocks.starts[b + 1] + 1) for b in chosen]
+    return _blocks(problem, np.unique(np.concatenate([[0, problem.n], *inner])))
+
+
 def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
     def sums(values: np.ndarray) -> np.ndarray:
         return np.add.reduceat(values, starts[:-1], axis=-1)
 
-    block_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    block_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))  # Blocks.per_node, before the Blocks exist
     producer, nbytes, consumers = [], [], []
     for t, p in enumerate(problem.tensor_producer):
         pb = block_of[p] if p >= 0 else -1

@@ -26,7 +26,7 @@ class Layout:
 
 def to_assignment(problem: Problem, blocks: Blocks, layout: Layout) -> Assignment:
     """Stages get device instances of their group in target order."""
-    node_stage = np.repeat(layout.block_stage, np.diff(blocks.starts))
+    node_stage = blocks.per_node(layout.block_stage)
     k = len(layout.groups)
     taken = [0] * len(problem.groups)
     devices = []

@@ -74,18 +74,23 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class SolveInfo:
-    """How the plan was found and how good it provably is."""
+    """How the plan was found and how good it provably is. A coarsened problem is solved over blocks,
+    then refined around the plan's cuts; what CP-SAT proves over blocks holds only for plans made of them."""
 
-    #: "OPTIMAL", "FEASIBLE" (CP-SAT), or the name of the method for baselines ("dp", "uniform", ...).
+    #: "OPTIMAL" (no plan made of the `blocks` coarse blocks beats this one: every plan when `blocks` is
+    #: the node count; a refined plan may beat the best of them), "FEASIBLE" (CP-SAT proved no such thing),
+    #: or the name of the method for baselines ("dp", "uniform", ...).
     status: str
-    #: The solver's proven bound on the objective (seconds per micro-batch at the bottleneck).
+    #: A lower bound on the bottleneck (seconds per micro-batch) of every plan of this configuration,
+    #: whatever its cuts: CP-SAT's proven bound when it searched single nodes, else the first-principles one.
     bound_seconds: float
-    #: (objective - bound) / objective of the solve.
+    #: (objective - bound) / objective: how far above the best possible plan this one may be, at most.
     gap: float
     solve_seconds: float
-    #: Upper bound on what coarsening may have cost, as a fraction of the objective.
+    #: Most work rounding a cut to the coarse blocks moves onto a stage, as a fraction of the objective: what
+    #: the coarse solve may have lost (communication aside); refinement wins some of it back.
     coarsening_loss: float
-    #: Blocks the graph was coarsened to.
+    #: Blocks the graph was coarsened to for the first solve.
     blocks: int
 
 

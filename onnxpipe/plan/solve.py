@@ -1,8 +1,15 @@
 """One configuration (stages, micro-batches, schedule fixed): coarsen, solve the interval DP, hand its
-answer to CP-SAT as a hint, keep the best plan under `evaluate` (least bottleneck, or least iteration
-time when the caller ranks by it), never worse than a baseline.
+answer to CP-SAT as a hint, then (when coarsened) refine: split the blocks around the best plan's stage
+cuts into single nodes and solve again there, level by level while it improves. Keeps the best plan
+under `evaluate` (least bottleneck, or least iteration time when the caller ranks by it), never worse
+than a baseline.
 
-Reading order: `solve` -> `_choose` -> `_ensure_some_fit`.
+What the plan's `SolveInfo` claims: `status` is CP-SAT's verdict over the coarse blocks ("OPTIMAL": no
+plan made of those `blocks` beats the plan; refined plans only improve on it); `bound_seconds` holds for
+every plan, whatever its cuts (CP-SAT's proven bound only when it searched single nodes, i.e. nothing was
+coarsened; the first-principles bound otherwise), and `gap` is measured against it.
+
+Reading order: `solve` -> `_refine` -> `_stage_of_nodes` -> `_layout_of` -> `_choose` -> `_ensure_some_fit`.
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import LowerBound, lower_bound
-from onnxpipe.plan.coarsen import coarsen
+from onnxpipe.plan.coarsen import Blocks, coarsen, refine
 from onnxpipe.plan.cpsat import solve_cpsat
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits
-from onnxpipe.plan.layout import to_assignment
+from onnxpipe.plan.layout import Layout, to_assignment
 from onnxpipe.plan.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.units import format_bytes
@@ -28,6 +37,11 @@ __all__ = ["solve", "default_blocks", "infeasible_message"]
 
 #: Relative difference under which the solver's model and `evaluate` are taken to agree.
 _AGREE = 1e-4
+#: Share of the time limit the coarse CP-SAT leaves to refinement, and the most refinement's CP-SAT takes.
+_REFINE_SHARE = 0.3
+_REFINE_CP_SHARE = 0.1
+#: Relative improvement a refinement level must bring for the next one to run.
+_IMPROVES = 1e-6
 
 
 def default_blocks(stages: int) -> int:
@@ -61,7 +75,10 @@ def solve(
     found: list[Plan] = []
     if hint is not None:
         found.append(evaluate(problem, to_assignment(problem, blocks, hint), replicas=replicas))
+    coarsened = blocks.count < problem.n
     remaining = time_limit - (time.perf_counter() - started)
+    if coarsened:
+        remaining *= 1 - _REFINE_SHARE
     report(f"CP-SAT over {blocks.count} blocks, up to {remaining:.0f} s")
     result = solve_cpsat(
         problem,
@@ -86,12 +103,17 @@ def solve(
     # The baselines exactly as `compare` reports them, so the plan is never worse than any of them.
     found.extend(p for name, p in baselines(problem, stages, recompute, replicas).items() if name != "data-parallel")
     found.extend(also)
+    start = _choose(found)
+    if coarsened and start is not None:
+        found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bound.seconds, started + time_limit, _REFINE_CP_SHARE * time_limit, report))
     best = _choose(found, by_iteration)
     if best is None:
         raise OnnxpipeError(infeasible_message(problem, bound, stages))
     objective = best.bottleneck_seconds
-    proven = max(min(result.bound_seconds, objective), bound.seconds) if agrees else bound.seconds
-    status = "OPTIMAL" if result.status == "OPTIMAL" and agrees and objective <= proven * (1 + _AGREE) + tolerance else "FEASIBLE"
+    # Over the coarse blocks: CP-SAT's bound (where its model agrees with evaluate); refined plans only improve on it.
+    on_blocks = max(min(result.bound_seconds, objective), bound.seconds) if agrees else bound.seconds
+    status = "OPTIMAL" if result.status == "OPTIMAL" and agrees and objective <= on_blocks * (1 + _AGREE) + tolerance else "FEASIBLE"
+    proven = bound.seconds if coarsened else on_blocks  # a bound over the blocks holds for every plan only when blocks are nodes
     info = SolveInfo(
         status=status,
         bound_seconds=proven,
@@ -101,6 +123,69 @@ def solve(
         blocks=blocks.count,
     )
     return dataclasses.replace(best, solver=info)
+
+
+def _refine(
+    problem: Problem,
+    blocks: Blocks,
+    start: Plan,
+    stages: int,
+    recompute: str,
+    replicas: bool,
+    floor: float,
+    deadline: float,
+    cp_seconds: float,
+    report: Callable[[str], None],
+) -> list[Plan]:
+    """Plans over blocks refined around the best plan's stage cuts (`refine`): the DP there, level after
+    level around each new best while it improves (each level is cheap); then one CP-SAT over the last
+    level's blocks, warm-started from the best plan (which is made of them) with its bottleneck as ceiling,
+    for what intervals of the order cannot express."""
+    found: list[Plan] = []
+    best = start
+    while True:
+        node_stage = _stage_of_nodes(problem, best)
+        finer = refine(problem, blocks, node_stage)
+        report(f"refining: dynamic program over {finer.count} blocks around the stage cuts")
+        layout = solve_dp(problem, finer, stages, recompute, replicas)
+        if layout is None:
+            break
+        found.append(evaluate(problem, to_assignment(problem, finer, layout), replicas=replicas))
+        if not (fits(found[-1]) and found[-1].bottleneck_seconds < best.bottleneck_seconds * (1 - _IMPROVES)):
+            break
+        best = found[-1]
+        if time.perf_counter() >= deadline:
+            return found
+    remaining = min(deadline - time.perf_counter(), cp_seconds)
+    if remaining > 0:
+        report(f"refining: CP-SAT over {finer.count} blocks, up to {remaining:.0f} s")
+        result = solve_cpsat(problem, finer, stages, recompute=recompute, replicas=replicas, hint=_layout_of(problem, best, finer, replicas),
+                             floor_seconds=floor, ceiling_seconds=best.bottleneck_seconds, time_limit=remaining)
+        if result.layout is not None:
+            found.append(evaluate(problem, to_assignment(problem, finer, result.layout), replicas=replicas))
+    return found
+
+
+def _stage_of_nodes(problem: Problem, plan: Plan) -> np.ndarray:
+    position = {n: i for i, n in enumerate(problem.nodes)}
+    node_stage = np.zeros(problem.n, dtype=np.int64)
+    for s in plan.stages:
+        node_stage[[position[n] for n in s.nodes]] = s.index
+    return node_stage
+
+
+def _layout_of(problem: Problem, plan: Plan, blocks: Blocks, replicas: bool) -> Layout | None:
+    """A plan made of `blocks` as the solvers' layout; None when they cannot express it (a stage over
+    several device groups, or replicated where replicas are off)."""
+    groups = [{problem.group_of(d) for d in s.devices} for s in plan.stages]
+    if any(len(g) > 1 for g in groups) or (not replicas and any(len(s.devices) > 1 for s in plan.stages)):
+        return None
+    return Layout(
+        block_stage=_stage_of_nodes(problem, plan)[blocks.starts[:-1]],
+        groups=tuple(g.pop() for g in groups),
+        replicas=tuple(len(s.devices) for s in plan.stages),
+        recompute=tuple(s.recompute for s in plan.stages),
+    )
 
 
 def _choose(found: list[Plan], by_iteration: bool = False) -> Plan | None:
