@@ -14,7 +14,12 @@ its bandwidth equally (processor sharing), then pay its latency. On "shm" links 
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
 other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
 devices run on that many cores (less what `background` work takes): a worker that becomes
-runnable takes a free core or waits for one, as the OS assigns them (`_Cores`).
+runnable takes a free core or waits for one, as the OS assigns them (`_Cores`). While two or more
+workers compute at once and their working sets (static memory plus one micro-batch's stash each)
+together overflow the target's `shared_cache`, each action runs slower by its stage's
+`corun_slowdown` (the plan's, from the target's `corun_bandwidth`: its weights and their gradients
+come from memory, fought over; measured, tools/measure_cpu.py). `cores` is measured with workers
+whose working sets fit the shared cache together, so the two do not count the same contention twice.
 A replicated stage runs one worker per device, as the executor does: replica j of stage s runs
 the micro-batches i with i % r == j (`schedule.replicate`) at the full per-micro-batch time (a
 plan's per-micro-batch seconds of a replicated stage are throughput figures, busy / r), and
@@ -317,17 +322,24 @@ class _Cores:
     only while it computes (sends, receives and their bookkeeping take the processor too). A worker
     that needs a core to compute while ceil(available) are held waits, first come first served,
     until one is released; the holders share the available cores (min(1, available / holders) each).
+    While other workers compute too and the computing workers' working sets (static memory plus one
+    micro-batch's stash each) overflow the target's `shared_cache`, a worker's action runs 1 + its
+    stage's `corun_slowdown` times slower (their weights come from memory, fought over).
 
     Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
     with one busy process beside two workers on two cores, the workers take turns on the other core.
     Beyond that, the workers together keep a 1 / (1 + background) share:
     available = max(cores - background, cores / (1 + background))."""
 
-    def __init__(self, plan: Plan, target: Target, background: float) -> None:
+    def __init__(self, plan: Plan, target: Target, costs: tuple[_StageCost, ...], background: float) -> None:
         self.cores = max(target.cores - background, target.cores / (1 + background))
+        self._cache = target.shared_cache
         self._slots = max(1, math.ceil(self.cores - 1e-9))
         #: Per worker (stage-major): whether it computes on the shared cores.
         self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
+        #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
+        self._corun = tuple(st.corun_slowdown for st in plan.stages for _ in st.devices)
+        self._working = tuple(_static_bytes(st) + costs[s].stash for s, st in enumerate(plan.stages) for _ in st.devices)
         #: worker -> [seconds of work left at full speed, op, micro-batch, start on its core].
         self.active: dict[int, list[Any]] = {}
         #: Workers holding a core (computing or not).
@@ -354,23 +366,27 @@ class _Cores:
             self._holding.add(worker)
             self.active[worker] = [work, op, mb, now]
 
-    def _rate(self) -> float:
-        return min(1.0, self.cores / len(self._holding))
+    def _rates(self) -> dict[int, float]:
+        share = min(1.0, self.cores / len(self._holding))
+        crowded = len(self.active) > 1 and sum(self._working[w] for w in self.active) > self._cache
+        return {w: share / (1 + self._corun[w]) if crowded else share for w in self.active}
 
     def next_time(self, now: float) -> float:
         if not self.active:
             return math.inf
-        return now + min(job[0] for job in self.active.values()) / self._rate()
+        rates = self._rates()
+        return min(now + job[0] / rates[w] for w, job in self.active.items())
 
     def advance(self, now: float, later: float) -> list[tuple[int, str, int, float]]:
         """Do the work from now to later; return (worker, op, micro-batch, start) of the actions
         finished by `later` (their workers keep their cores until they block)."""
         if not self.active:
             return []
-        rate = self._rate()
-        done = [w for w, job in self.active.items() if now + job[0] / rate <= later]
-        for job in self.active.values():
-            job[0] -= (later - now) * rate
+        rates = self._rates()
+        # Same expression as next_time, so the action that set `later` finishes exactly then.
+        done = [w for w, job in self.active.items() if now + job[0] / rates[w] <= later]
+        for w, job in self.active.items():
+            job[0] -= (later - now) * rates[w]
         return [(w, *self.active.pop(w)[1:]) for w in done]
 
 
@@ -402,7 +418,7 @@ def _run(
     live = [_static_bytes(plan.stages[s]) for s, _ in places]
     memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in live]
     links = _Links(target)
-    cores = _Cores(plan, target, background)
+    cores = _Cores(plan, target, costs, background)
     now = 0.0
 
     def mem(w: int, t: float, delta: float) -> None:

@@ -93,6 +93,12 @@ class Target:
     #: virtual CPUs need not give two cores); when more of them compute at once, each runs at
     #: cores / computing of its speed. 0: every device has its own.
     cores: float = 0
+    #: While cpu workers computing at once keep more than `shared_cache` bytes between them (their working
+    #: sets overflow the last-level cache the cores share), a node takes (its weight bytes read and
+    #: written) / corun_bandwidth longer: those bytes come from memory, fought over. 0: no such slowdown.
+    corun_bandwidth: float = 0.0
+    #: Bytes of the cache the cores share (last-level cache).
+    shared_cache: float = 0.0
 
     def device(self, name: str) -> Device:
         """The device of a given instance name."""
@@ -142,6 +148,13 @@ class Target:
         latency = max(link.latency for link in links)
         return 2 * (n - 1) * (latency + nbytes / n / bandwidth)
 
+    def corun_seconds(self, device: str, weight_bytes: float) -> float:
+        """Extra seconds a node reading and writing `weight_bytes` of weights (and their gradients) takes on
+        `device` while other workers compute beside it with more than `shared_cache` bytes between them."""
+        if not self.corun_bandwidth or self.device(device).kind != "cpu":
+            return 0.0
+        return weight_bytes / self.corun_bandwidth
+
     def node_seconds(self, device: str, cost: NodeCost, dtype: str = "float32", backward: bool = False) -> float:
         """Roofline time of one node on a device; measured times win where present on cpu devices."""
         d = self.device(device)
@@ -173,6 +186,8 @@ _EXAMPLES = {
     "action_overhead": 'action_overhead = "30 us"',
     "step_overhead": 'step_overhead = "200 us"',
     "efficiency": "efficiency = { default = 0.5 }",
+    "corun_bandwidth": 'corun_bandwidth = "45 GB/s"',
+    "shared_cache": 'shared_cache = "32 MiB"',
     "default": "default = 0.5",
     "between": 'between = ["u280", "u280"]',
     "bandwidth": 'bandwidth = "12 GB/s"',
@@ -215,7 +230,7 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 
 
 def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
-    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores"), origin, "")
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache"), origin, "")
     name = _ensure_str(doc, "name", origin, "")
     description = _ensure_str(doc, "description", origin, "")
     profile = doc.get("profile", False)
@@ -241,7 +256,22 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
         _fail(origin, "cores", f"expected a positive number (cores' worth of throughput, e.g. 1.8), got {cores!r}")
     if cores and not any(d.kind == "cpu" for d in devices):
         _fail(origin, "cores", "only cpu devices share cores; remove it or add cpu devices")
-    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores))
+    corun = _ensure_corun(doc, bool(cores), origin)
+    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores), **corun)
+
+
+def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, float]:
+    """`corun_bandwidth` (needs shared `cores`) and `shared_cache` (needs `corun_bandwidth`), when given."""
+    out = {}
+    if "corun_bandwidth" in doc:
+        if not shared:
+            _fail(origin, "corun_bandwidth", "only workers sharing `cores` slow each other down; add cores or remove it")
+        out["corun_bandwidth"] = _ensure_quantity(doc, "corun_bandwidth", "bandwidth", origin, "")
+    if "shared_cache" in doc:
+        if "corun_bandwidth" not in doc:
+            _fail(origin, "shared_cache", f"only used with corun_bandwidth; add e.g. {_EXAMPLES['corun_bandwidth']} or remove it")
+        out["shared_cache"] = _ensure_quantity(doc, "shared_cache", "bytes", origin, "", allow_zero=True)
+    return out
 
 
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:

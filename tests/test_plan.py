@@ -365,3 +365,28 @@ def test_evaluate_finds_weights_tied_across_stages() -> None:
     problem = build_problem(g, costs, make_target([("g", 3, 1e12, 1e9)]), batch=2, microbatches=1)
     split = evaluate(problem, Assignment((("n0",), ("n1",), ("n2",)), (("g0",), ("g1",), ("g2",)), (False,) * 3))
     assert [(s.tied, s.tied_bytes) for s in split.stages] == [((2,), 1024.0), ((), 0.0), ((0,), 1024.0)]
+
+
+def test_corun_slowdown_from_the_stages_weights_and_old_plans_without_it() -> None:
+    # Two 1 ms nodes (backward 2 ms); node 0 owns 1 MB of weights. With corun_bandwidth 1 GB/s its stage
+    # takes 1 ms (forward read) + 2 ms (backward read and gradient write) longer beside others: +100%.
+    from dataclasses import replace
+
+    graph = load(chain_model(2, {}))
+    costs = hand_costs(graph, [1e9, 1e9], params=[1e6, 0.0])
+    gpus = make_target([("g", 2, 1e12, 1e9)])
+    cpus = replace(gpus, devices=tuple(replace(d, kind="cpu", threads=1) for d in gpus.devices), cores=2.0)
+    cut = Assignment((("n0",), ("n1",)), (("g0",), ("g1",)), (False, False))
+    for target in (gpus, cpus, replace(gpus, corun_bandwidth=1e9)):
+        assert [s.corun_slowdown for s in evaluate(build_problem(graph, costs, target, batch=2, microbatches=1), cut).stages] == [0.0, 0.0]
+    shared = evaluate(build_problem(graph, costs, replace(cpus, corun_bandwidth=1e9), batch=2, microbatches=1), cut)
+    assert [s.corun_slowdown for s in shared.stages] == pytest.approx([1.0, 0.0])
+    # Recomputing runs the forward twice: 1 + 1 + 2 ms more on 1 + 1 + 2 ms.
+    again = evaluate(build_problem(graph, costs, replace(cpus, corun_bandwidth=1e9), batch=2, microbatches=1), replace(cut, recompute=(True, False)))
+    assert again.stages[0].corun_slowdown == pytest.approx(1.0)
+    # The field round-trips, and a plan written before it existed reads as no slowdown.
+    assert Plan.from_json(shared.to_json()) == shared
+    old = shared.to_json()
+    for stage in old["stages"]:
+        del stage["corun_slowdown"]
+    assert [s.corun_slowdown for s in Plan.from_json(old).stages] == [0.0, 0.0]

@@ -365,3 +365,30 @@ def test_a_worker_keeps_its_core_until_it_blocks() -> None:
     sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=1e9), cpus)
     forwards = sorted((e.stage, e.microbatch, e.start) for e in sim.events if e.kind == "F")
     assert forwards == [(0, 0, 0.0), (0, 1, 2.0), (1, 0, 4.0), (1, 1, 5.0)]
+
+
+def test_workers_computing_together_slow_by_their_stages_corun_slowdown() -> None:
+    # GPipe, 2 stages, 2 micro-batches, F 1 s, two cores: stage 0's F1 and stage 1's F0 overlap from 1 s.
+    base = make_target(2)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=2)
+    plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0)
+
+    def slowed(first: float, second: float) -> Plan:
+        return replace(plan, stages=(replace(plan.stages[0], corun_slowdown=first), replace(plan.stages[1], corun_slowdown=second)))
+
+    assert simulate(plan, cpus).iteration_seconds == pytest.approx(3.0)
+    # Both 50% slower while both compute: the overlapped pair ends at 1 + 1.5 s, then stage 1's F1 alone.
+    sim = simulate(slowed(0.5, 0.5), cpus)
+    forwards = sorted((e.stage, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in sim.events if e.kind == "F")
+    assert forwards == [(0, 0, 0.0, 1.0), (0, 1, 1.0, 2.5), (1, 0, 1.0, 2.5), (1, 1, 2.5, 3.5)]
+    assert sim.iteration_seconds == pytest.approx(3.5)
+    # Only stage 1 slowed: by 2 s it has done 2/3 of F0; the last third runs alone at full speed.
+    assert simulate(slowed(0.0, 0.5), cpus).iteration_seconds == pytest.approx(2.0 + 1 / 3 + 1.0)
+    # Working sets (100 bytes of stash each) that fit the shared cache together: no slowdown.
+    assert simulate(slowed(0.5, 0.5), replace(cpus, shared_cache=200.0)).iteration_seconds == pytest.approx(3.0)
+    assert simulate(slowed(0.5, 0.5), replace(cpus, shared_cache=199.0)).iteration_seconds == pytest.approx(3.5)
+    # Devices that do not share cores, or a lone worker: nothing to compete with.
+    assert simulate(slowed(0.5, 0.5), base).iteration_seconds == pytest.approx(3.0)
+    one = make_plan(1, 4, forward=1.0, backward=2.0)
+    one = replace(one, stages=(replace(one.stages[0], corun_slowdown=0.5),))
+    assert simulate(one, replace(cpus, devices=cpus.devices[:1])).iteration_seconds == pytest.approx(12.0)

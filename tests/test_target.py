@@ -150,6 +150,7 @@ BAD = [
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\nstep_overhead = "-1 ms"', r"devices\[0\]\.step_overhead: must be zero or more"),
     ('name = "tiny"', 'name = "tiny"\ncores = 0', r": cores: expected a positive number"),
     ('name = "tiny"', 'name = "tiny"\ncores = 2', r": cores: only cpu devices share cores"),
+    ('name = "tiny"', 'name = "tiny"\ncorun_bandwidth = "45 GB/s"', r": corun_bandwidth: only workers sharing `cores` slow each other down; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
 
@@ -176,6 +177,27 @@ def test_action_and_step_overheads_are_optional_seconds(tmp_path: Path) -> None:
     target = load_target(write(tmp_path, GOOD.replace('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "40 us"\nstep_overhead = "0.3 ms"', 1)))
     assert [d.action_overhead for d in target.devices] == pytest.approx([40e-6, 40e-6, 0.0])
     assert [d.step_overhead for d in target.devices] == pytest.approx([3e-4, 3e-4, 0.0])
+
+
+def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
+    cpu = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
+    plain = load_target(write(tmp_path, cpu))
+    assert (plain.corun_bandwidth, plain.shared_cache, plain.corun_seconds("f_0", 1e9)) == (0.0, 0.0, 0.0)
+    target = load_target(write(tmp_path, cpu.replace("cores = 2", 'cores = 2\ncorun_bandwidth = "50 GB/s"\nshared_cache = "32 MiB"')))
+    assert (target.corun_bandwidth, target.shared_cache) == (50e9, 32 * 2**20)
+    assert target.corun_seconds("f_0", 1e9) == pytest.approx(0.02)
+    assert target.corun_seconds("g_0", 1e9) == 0.0  # a gpu does not share the host's cores
+    for extra, message in [
+        ('corun_bandwidth = "50 GB"', r": corun_bandwidth: bad unit 'GB'; use "),
+        ('corun_bandwidth = "0 GB/s"', r": corun_bandwidth: must be positive"),
+        ('shared_cache = "32 MiB"', r": shared_cache: only used with corun_bandwidth; add e\.g\. corun_bandwidth = \"45 GB/s\" or remove it"),
+        ('corun_bandwidth = "50 GB/s"\nshared_cache = "-1 MiB"', r": shared_cache: must be zero or more"),
+    ]:
+        path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
+        with pytest.raises(OnnxpipeError) as info:
+            load_target(path)
+        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+        assert re.search(message, str(info.value)), str(info.value)
 
 
 def test_unknown_name_and_missing_file(tmp_path: Path) -> None:

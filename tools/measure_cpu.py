@@ -3,9 +3,11 @@ one-thread memory read bandwidth, shared-memory hand-off time between two proces
 through the executor's own `ShmTransport`), onnxruntime's per-node dispatch cost, the cores' worth of
 throughput worker processes side by side really get (`cores`: the 2 vCPUs need not be 2 cores), and the fixed cost
 of one forward and one backward action of the executor's `StageRunner` alone and inside two worker
-processes (`action_overhead`), and the driver's share of a step (`step_overhead`).
+processes (`action_overhead`), the driver's share of a step (`step_overhead`), and how much slower a node
+runs while another worker computes beside it (`corun_bandwidth`: when two working sets overflow the shared
+cache, nodes lose time in proportion to the weight bytes they read).
 
-Run: .venv/bin/python tools/measure_cpu.py
+Run: .venv/bin/python tools/measure_cpu.py [corun]   (corun: only the co-run slowdowns and `cores`)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 os.environ["OPENBLAS_NUM_THREADS"] = "1"  # one worker process = one thread; set before numpy loads BLAS
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing import Pipe, Process, shared_memory
@@ -194,65 +197,171 @@ def pipeline_overheads(stages: int, steps: int = 40) -> tuple[float, float, floa
     return statistics.median(actions), statistics.median(outside), statistics.median(hops)
 
 
-def _ort_chain(conn: Connection, runs: int) -> None:
-    """Time `runs` runs of a one-thread session of 8 chained 256x256 MatMul+Relu (the executor's kind of work)."""
-    nodes, x = [], "x"
-    weights = []
-    for i in range(8):
-        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
-        weights.append(helper.make_tensor(f"w{i}", TensorProto.FLOAT, [256, 256], np.random.rand(256 * 256).astype(np.float32) / 256))
-        x = f"r{i}"
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 256])],
-                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [64, 256])], weights)
+#: Chains timed alone and beside a copy of themselves (`corun_slowdowns`): (op, rows, width, nodes). MatMul
+#: chains multiply [rows, width] by `nodes` distinct [width, width] weights; Add chains add `nodes` distinct
+#: [rows, width] constants. Working sets from 1 to 18 MiB: two of them inside or beyond the shared 32 MiB L3,
+#: at weight traffic rates (weight bytes / seconds) from a few to tens of GB/s.
+CORUN_CHAINS = (
+    ("MatMul", 32, 256, 8), ("Add", 32, 1024, 4), ("MatMul", 32, 512, 8), ("MatMul", 32, 1024, 3),
+    ("MatMul", 32, 1024, 4), ("MatMul", 64, 1024, 4), ("MatMul", 128, 1024, 4), ("Add", 512, 1024, 4),
+)
+#: Last-level cache the two vCPUs share: lscpu, L3 32 MiB (one instance).
+SHARED_CACHE = 32 * 2**20
+#: The chain `effective_cores` runs: 8 chained 256x256 MatMul+Relu on 64 rows (the executor's kind of work).
+CORES_CHAIN = ("MatMul+Relu", 64, 256, 8)
+
+
+def _chain_model(op: str, rows: int, width: int, nodes: int) -> bytes:
+    """A one-input chain of `nodes` nodes, each with its own constant operand (see CORUN_CHAINS)."""
+    graph_nodes, weights, x = [], [], "x"
+    shape = [width, width] if op.startswith("MatMul") else [rows, width]
+    for i in range(nodes):
+        weights.append(helper.make_tensor(f"w{i}", TensorProto.FLOAT, shape, np.random.rand(*shape).astype(np.float32).ravel() / width))
+        graph_nodes.append(helper.make_node(op.split("+")[0], [x, f"w{i}"], [f"m{i}"]))
+        x = f"m{i}"
+        if op.endswith("+Relu"):
+            graph_nodes.append(helper.make_node("Relu", [x], [f"r{i}"]))
+            x = f"r{i}"
+    graph = helper.make_graph(graph_nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [rows, width])], weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
-    session = cpu_session(model.SerializeToString(), threads=1)
-    feed = {"x": np.random.rand(64, 256).astype(np.float32)}
-    conn.recv()
-    start = time.perf_counter()
-    for _ in range(runs):
-        session.run(None, feed)
-    conn.send(time.perf_counter() - start)
+    return model.SerializeToString()
 
 
-def effective_cores(processes: int = 2, runs: int = 300, repeat: int = 3) -> float:
-    """Cores' worth of throughput that `processes` one-thread onnxruntime workers get together:
-    processes x (time alone) / (time side by side), median of `repeat` trials."""
+def weight_bytes(op: str, rows: int, width: int, nodes: int) -> float:
+    """Bytes of one node's constant operand (its weight: `NodeCost.param_bytes`)."""
+    return 4.0 * (width * width if op.startswith("MatMul") else rows * width)
+
+
+def working_set(op: str, rows: int, width: int, nodes: int) -> float:
+    """Bytes one run of the chain keeps touching: its weights, its input and its nodes' outputs (a stage's
+    analogue: its parameters, gradients and optimizer state plus one micro-batch's stash)."""
+    outputs = 2 if op.endswith("+Relu") else 1
+    return nodes * (weight_bytes(op, rows, width, nodes) + 4.0 * rows * width * outputs) + 4.0 * rows * width
+
+
+def _ort_chain(conn: Connection, chain: tuple[str, int, int, int]) -> None:
+    """Serve timings of a one-thread session of `chain`: each message is the seconds to run it for
+    (0 stops); the answer is the mean seconds per run."""
+    session = cpu_session(_chain_model(*chain), threads=1)
+    feed = {"x": np.random.rand(chain[1], chain[2]).astype(np.float32)}
+    one = _median_seconds(lambda: session.run(None, feed), 5)
+    conn.send("ready")
+    while seconds := conn.recv():
+        runs = max(3, int(seconds / one))
+        start = time.perf_counter()
+        for _ in range(runs):
+            session.run(None, feed)
+        conn.send((time.perf_counter() - start) / runs)
+
+
+def _start_workers(chain: tuple[str, int, int, int], processes: int) -> list[tuple[Connection, Process]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    workers = []
+    for _ in range(processes):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_ort_chain, args=(theirs, chain))
+        proc.start()
+        workers.append((ours, proc))
+    for ours, _ in workers:
+        ours.recv()
+    return workers
 
-    def trial(n: int) -> float:
-        pipes = [ctx.Pipe() for _ in range(n)]
-        procs = [ctx.Process(target=_ort_chain, args=(theirs, runs)) for _, theirs in pipes]
-        for p in procs:
-            p.start()
-        for ours, _ in pipes:
-            ours.send("go")
-        seconds = max(ours.recv() for ours, _ in pipes)
-        for p in procs:
-            p.join()
-        return seconds
 
-    return statistics.median(processes * trial(1) / trial(processes) for _ in range(repeat))
+def _stop_workers(workers: list[tuple[Connection, Process]]) -> None:
+    for ours, _ in workers:
+        ours.send(0)
+    for _, proc in workers:
+        proc.join()
+
+
+def _alone_and_together(workers: list[tuple[Connection, Process]], seconds: float = 0.25) -> tuple[float, float]:
+    """(seconds per run of the first worker alone, ratio of the mean seconds per run with all of them
+    running at once to that): alone and together back to back in the same processes, so the host's
+    drifting share of the vCPUs hits both sides of the ratio alike."""
+    first = workers[0][0]
+    first.send(seconds)
+    alone = first.recv()
+    for ours, _ in workers:
+        ours.send(seconds)
+    return alone, statistics.mean(ours.recv() for ours, _ in workers) / alone
+
+
+def effective_cores(processes: int = 2, repeat: int = 9) -> float:
+    """Cores' worth of throughput that `processes` one-thread onnxruntime workers get together:
+    processes x (time alone) / (time side by side), median of `repeat` trials. The chain's working set is
+    2 MiB: side by side it stays in the shared cache, so it carries no co-run slowdown (`corun_bandwidth`)
+    and the two figures do not count the same contention twice."""
+    workers = _start_workers(CORES_CHAIN, processes)
+    ratios = [_alone_and_together(workers)[1] for _ in range(repeat)]
+    _stop_workers(workers)
+    return statistics.median(processes / r for r in ratios)
+
+
+def corun_slowdowns(repeat: int = 9) -> list[tuple[tuple[str, int, int, int], float, float]]:
+    """(chain, weight traffic alone in bytes/s, slowdown) per CORUN_CHAINS entry: the time per run with a
+    second worker running the same chain on the other vCPU over the time alone, minus 1 (medians of
+    `repeat` trials; the chains take turns, round after round, so a drift of the host hits them all)."""
+    pairs = [_start_workers(chain, 2) for chain in CORUN_CHAINS]
+    trials: list[list[tuple[float, float]]] = [[] for _ in CORUN_CHAINS]
+    for _ in range(repeat):
+        for mine, workers in zip(trials, pairs):
+            mine.append(_alone_and_together(workers))
+    for workers in pairs:
+        _stop_workers(workers)
+    return [(chain, chain[3] * weight_bytes(*chain) / statistics.median(a for a, _ in mine), statistics.median(r for _, r in mine) - 1)
+            for chain, mine in zip(CORUN_CHAINS, trials)]
+
+
+def _spills(chain: tuple[str, int, int, int]) -> bool:
+    """Two copies of the chain overflow the shared cache that one alone fits in."""
+    return working_set(*chain) <= SHARED_CACHE < 2 * working_set(*chain)
+
+
+def corun_bandwidth(points: list[tuple[tuple[str, int, int, int], float, float]]) -> float:
+    """The model's one figure: while two workers' working sets overflow the shared cache together, a node
+    takes (its weight bytes / corun_bandwidth) longer, i.e. slows by (weight traffic rate alone) /
+    corun_bandwidth. Least-squares slope through the origin of slowdown against that rate over the
+    chains that overflow it in pairs, inverted."""
+    spilled = [(rate, slowdown) for chain, rate, slowdown in points if _spills(chain)]
+    return sum(r * r for r, _ in spilled) / sum(r * s for r, s in spilled)
+
+
+def report_corun() -> float:
+    """Print each chain's co-run slowdown and the fitted `corun_bandwidth`; return it."""
+    points = corun_slowdowns()
+    fitted = corun_bandwidth(points)
+    for chain, rate, slowdown in points:
+        op, rows, width, nodes = chain
+        model = rate / fitted if _spills(chain) else 0.0
+        print(f"co-run {op} chain, {nodes} x [{rows},{width}]: working set {working_set(*chain) / 2**20:.1f} MiB, weights at {rate / 1e9:.1f} "
+              f"GB/s alone, slowdown beside a copy {slowdown:+.1%} (model: {model:+.1%})")
+    print(f"corun_bandwidth (pairs overflowing the {SHARED_CACHE / 2**20:.0f} MiB shared cache): {fitted / 1e9:.0f} GB/s")
+    return fitted
 
 
 def main() -> None:
-    print(f"float32 GEMM, 1 thread: {gemm_flops() / 1e9:.1f} GFLOP/s")
-    print(f"memory read, 1 thread: {read_bandwidth() / 1e9:.1f} GB/s")
-    for n, seconds in shm_handoff_seconds().items():
-        print(f"shared-memory hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
-    print(f"onnxruntime dispatch per node: {ort_node_seconds() * 1e6:.2f} us")
-    for n, seconds in transport_handoff_seconds().items():
-        print(f"ShmTransport hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
-    forward, backward = action_seconds()
-    print(f"StageRunner action of a one-node stage: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us (action_overhead)")
+    if sys.argv[1:] != ["corun"]:
+        print(f"float32 GEMM, 1 thread: {gemm_flops() / 1e9:.1f} GFLOP/s")
+        print(f"memory read, 1 thread: {read_bandwidth() / 1e9:.1f} GB/s")
+        for n, seconds in shm_handoff_seconds().items():
+            print(f"shared-memory hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
+        print(f"onnxruntime dispatch per node: {ort_node_seconds() * 1e6:.2f} us")
+        for n, seconds in transport_handoff_seconds().items():
+            print(f"ShmTransport hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
+        forward, backward = action_seconds()
+        print(f"StageRunner action of a one-node stage: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us (action_overhead)")
+    report_corun()
     print(f"effective cores of 2 one-thread onnxruntime workers side by side: {effective_cores(2):.2f}")
     print(f"effective cores of 4 one-thread onnxruntime workers side by side: {effective_cores(4):.2f}")
-    for k in (2, 4):
-        action, step, hop = pipeline_overheads(k)
-        print(f"executor, {k} workers, width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions "
-              f"{step * 1e6:.1f} us (step_overhead), hop to a waiting receiver {hop * 1e6:.1f} us (link latency)")
+    if sys.argv[1:] != ["corun"]:
+        for k in (2, 4):
+            action, step, hop = pipeline_overheads(k)
+            print(f"executor, {k} workers, width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions "
+                  f"{step * 1e6:.1f} us (step_overhead), hop to a waiting receiver {hop * 1e6:.1f} us (link latency)")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -183,6 +183,7 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
     forward = float(max(problem.forward[g, mask].sum() for g in groups)) / r
     backward = float(max(problem.backward[g, mask].sum() for g in groups)) / r
     recompute = assignment.recompute[s]
+    extra = float(max(problem.corun_forward[g, mask].sum() * (2 if recompute else 1) + problem.corun_backward[g, mask].sum() for g in groups)) / r
     params = float(problem.params[mask].sum())
     activations = float(problem.activations[mask].sum())
     mine = held(flight, r)
@@ -213,4 +214,5 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
         recompute=recompute,
         memory=memory,
         stash_bytes=float(comm.stash_bytes[s]) if recompute else activations,
+        corun_slowdown=extra / (forward + backward) if forward + backward > 0 else 0.0,
     )

@@ -64,6 +64,11 @@ class Problem:
     #: (groups,) device memory capacity and memory bandwidth.
     capacity: np.ndarray
     memory_bandwidth: np.ndarray
+    #: (groups, nodes) extra forward and backward seconds per micro-batch while other workers compute on the
+    #: target's shared cores overflowing its shared cache (`Target.corun_seconds` of the node's weights);
+    #: zeros on targets without `corun_bandwidth`.
+    corun_forward: np.ndarray
+    corun_backward: np.ndarray
 
     @property
     def n(self) -> int:
@@ -147,6 +152,9 @@ def build_problem(
     backward = np.array(
         [[target.node_seconds(members[g][0], c, dtype, backward=True) for c in scaled] for g in groups], dtype=float
     ).reshape(len(groups), len(nodes))
+    # Weights whole at any micro-batch size: read in forward; read again and their gradient written in backward.
+    corun_forward = np.array([[target.corun_seconds(members[g][0], c.param_bytes) for c in node_costs] for g in groups], dtype=float).reshape(
+        len(groups), len(nodes))
     params = np.array([c.param_bytes for c in node_costs], dtype=float)
     activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
     names, producer, nbytes, consumers = _tensors(graph, nodes, scale)
@@ -185,6 +193,8 @@ def build_problem(
         latency=latency,
         capacity=np.array([d.memory_bytes for d in firsts], dtype=float),
         memory_bandwidth=np.array([d.memory_bandwidth for d in firsts], dtype=float),
+        corun_forward=corun_forward,
+        corun_backward=2 * corun_forward,
     )
 
 

@@ -61,6 +61,10 @@ class StagePlan:
     tied: tuple[int, ...] = ()
     #: Bytes of those shared weights.
     tied_bytes: float = 0.0
+    #: How much longer its forward and backward take while other workers compute on the target's shared
+    #: cores and their working sets overflow its shared cache (0.1: 10% longer); 0 where the target has no
+    #: `corun_bandwidth`.
+    corun_slowdown: float = 0.0
 
     @property
     def busy_seconds(self) -> float:
