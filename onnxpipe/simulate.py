@@ -7,7 +7,9 @@ Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public e
 
 Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
 order on its device(s). F and B take the plan's per-micro-batch seconds (a recomputing stage's
-backward seconds already include its second forward) plus the device's fixed `action_overhead`.
+backward seconds already include its second forward) plus the device's fixed `action_overhead`;
+B also hands the stage's weight gradients to the executor, which sums them over the micro-batches
+(gradient bytes / the device's `gradient_bandwidth`, measured: the profile's node times miss it).
 SEND starts a transfer and does not block the sender; RECV blocks until the matching transfer has
 arrived. Every directed device pair is one physical link channel: transfers in flight on it share
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
@@ -248,9 +250,11 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
     bandwidth = min(target.device(d).memory_bandwidth for d in stage.devices)
     step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
     overhead = max(target.device(d).action_overhead for d in stage.devices)
+    rates = (target.device(d).gradient_bandwidth for d in stage.devices)
+    handing = max((stage.memory.gradients / rate for rate in rates if rate), default=0.0)
     return _StageCost(
         forward=stage.forward_seconds * whole + overhead,
-        backward=stage.backward_seconds * whole + overhead,
+        backward=stage.backward_seconds * whole + overhead + handing,
         out_bytes=stage.comm_out_bytes * scale,
         stash=stash * scale,
         during_backward=during * scale,

@@ -61,6 +61,10 @@ class Device:
     #: Fixed seconds per training step outside the schedule's actions (the driver posting the
     #: micro-batches, starting the step and collecting its results); 0 when not measured.
     step_overhead: float = 0.0
+    #: Bytes per second at which a backward action hands its stage's weight gradients to the executor
+    #: and adds them to the step's sums (beyond the node times: output copies, accumulation); 0 when not
+    #: measured (free).
+    gradient_bandwidth: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,7 @@ _EXAMPLES = {
     "threads": "threads = 1",
     "action_overhead": 'action_overhead = "30 us"',
     "step_overhead": 'step_overhead = "200 us"',
+    "gradient_bandwidth": 'gradient_bandwidth = "9 GB/s"',
     "efficiency": "efficiency = { default = 0.5 }",
     "corun_bandwidth": 'corun_bandwidth = "45 GB/s"',
     "shared_cache": 'shared_cache = "32 MiB"',
@@ -277,7 +282,7 @@ def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, f
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:
     """The group name, its count, and the Device fields shared by its instances."""
     required = ("name", "kind", "count", "memory", "memory_bandwidth", "peak_flops", "op_overhead", "efficiency")
-    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead"), origin, path)
+    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead", "gradient_bandwidth"), origin, path)
     group = _ensure_str(table, "name", origin, path)
     if not _GROUP_NAME.match(group):
         _fail(origin, f"{path}.name", f"bad group name {group!r}; use letters, digits and '-', starting with a letter")
@@ -301,6 +306,7 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
         "op_overhead": _ensure_quantity(table, "op_overhead", "time", origin, path, allow_zero=True),
         "threads": threads,
         **{key: _ensure_quantity(table, key, "time", origin, path, allow_zero=True) for key in ("action_overhead", "step_overhead") if key in table},
+        **({"gradient_bandwidth": _ensure_quantity(table, "gradient_bandwidth", "bandwidth", origin, path)} if "gradient_bandwidth" in table else {}),
     }
     return group, count, fields
 

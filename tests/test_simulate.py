@@ -392,3 +392,14 @@ def test_workers_computing_together_slow_by_their_stages_corun_slowdown() -> Non
     one = make_plan(1, 4, forward=1.0, backward=2.0)
     one = replace(one, stages=(replace(one.stages[0], corun_slowdown=0.5),))
     assert simulate(one, replace(cpus, devices=cpus.devices[:1])).iteration_seconds == pytest.approx(12.0)
+
+
+def test_backward_hands_its_gradients_over_at_the_gradient_bandwidth() -> None:
+    # One stage, 1 GB of weights, 1 GB/s: each backward takes 2 s + 1 s; the forward is unchanged.
+    base = make_target(1)
+    plan = make_plan(1, 2, forward=1.0, backward=2.0, params=1e9)
+    slow = replace(base, devices=(replace(base.devices[0], gradient_bandwidth=1e9),))
+    assert simulate(plan, base).iteration_seconds == pytest.approx(6.0)
+    sim = simulate(plan, slow)
+    assert sim.iteration_seconds == pytest.approx(8.0)
+    assert sorted(round(e.end - e.start, 9) for e in sim.events if e.kind in ("F", "B")) == [1.0, 1.0, 3.0, 3.0]

@@ -148,6 +148,8 @@ BAD = [
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "-3 us"', r"devices\[0\]\.action_overhead: must be zero or more"),
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "3 GB"', r"devices\[0\]\.action_overhead: "),
     ('op_overhead = "5 us"', 'op_overhead = "5 us"\nstep_overhead = "-1 ms"', r"devices\[0\]\.step_overhead: must be zero or more"),
+    ('op_overhead = "5 us"', 'op_overhead = "5 us"\ngradient_bandwidth = "3 us"', r"devices\[0\]\.gradient_bandwidth: bad unit 'us'; use "),
+    ('op_overhead = "5 us"', 'op_overhead = "5 us"\ngradient_bandwidth = 0', r"devices\[0\]\.gradient_bandwidth: must be positive"),
     ('name = "tiny"', 'name = "tiny"\ncores = 0', r": cores: expected a positive number"),
     ('name = "tiny"', 'name = "tiny"\ncores = 2', r": cores: only cpu devices share cores"),
     ('name = "tiny"', 'name = "tiny"\ncorun_bandwidth = "45 GB/s"', r": corun_bandwidth: only workers sharing `cores` slow each other down; add cores or remove it"),
@@ -173,10 +175,12 @@ def test_cpu_devices_need_threads(tmp_path: Path) -> None:
     assert load_target(write(tmp_path, text.replace("op_overhead = 0", "op_overhead = 0\nthreads = 1"))).device("f_0").threads == 1
 
 
-def test_action_and_step_overheads_are_optional_seconds(tmp_path: Path) -> None:
+def test_action_and_step_overheads_and_gradient_bandwidth_are_optional(tmp_path: Path) -> None:
     target = load_target(write(tmp_path, GOOD.replace('op_overhead = "5 us"', 'op_overhead = "5 us"\naction_overhead = "40 us"\nstep_overhead = "0.3 ms"', 1)))
     assert [d.action_overhead for d in target.devices] == pytest.approx([40e-6, 40e-6, 0.0])
     assert [d.step_overhead for d in target.devices] == pytest.approx([3e-4, 3e-4, 0.0])
+    target = load_target(write(tmp_path, GOOD.replace('op_overhead = 0', 'op_overhead = 0\ngradient_bandwidth = "9 GB/s"', 1)))
+    assert [d.gradient_bandwidth for d in target.devices] == pytest.approx([0.0, 0.0, 9e9])
 
 
 def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:

@@ -3,11 +3,12 @@ one-thread memory read bandwidth, shared-memory hand-off time between two proces
 through the executor's own `ShmTransport`), onnxruntime's per-node dispatch cost, the cores' worth of
 throughput worker processes side by side really get (`cores`: the 2 vCPUs need not be 2 cores), and the fixed cost
 of one forward and one backward action of the executor's `StageRunner` alone and inside two worker
-processes (`action_overhead`), the driver's share of a step (`step_overhead`), and how much slower a node
+processes (`action_overhead`), the driver's share of a step (`step_overhead`), what a backward action costs beyond its profile per byte of
+gradients it returns and sums (`gradient_bandwidth`), and how much slower a node
 runs while another worker computes beside it (`corun_bandwidth`: when two working sets overflow the shared
 cache, nodes lose time in proportion to the weight bytes they read).
 
-Run: .venv/bin/python tools/measure_cpu.py [corun]   (corun: only the co-run slowdowns and `cores`)
+Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun]   (a part alone: `gradient_bandwidth`; the co-run slowdowns and `cores`)
 """
 
 from __future__ import annotations
@@ -127,6 +128,31 @@ def action_seconds(repeat: int = 400) -> tuple[float, float]:
         forward.append(middle - start)
         backward.append(time.perf_counter() - middle)
     return statistics.median(forward), statistics.median(backward)
+
+
+def gradient_seconds(width: int = 1024, layers: int = 4, rows: int = 32, steps: int = 12) -> tuple[float, float, float]:
+    """(parameter bytes, median backward action of a `StageRunner` training a `layers` x `width`
+    perceptron on micro-batches of `rows`, the profile's backward of the same model): a backward
+    action returns every weight's gradient to the executor and adds it to the step's sum, which the
+    profile (kernels and the session's time between them) does not see (`gradient_bandwidth`)."""
+    from onnxpipe import models
+    from onnxpipe.cost import annotate
+    from onnxpipe.graph import load
+
+    model = models.build("mlp", train=True, layers=layers, width=width, in_features=512, batch=rows)
+    profiled = sum(c.measured_backward_seconds or 0.0 for c in annotate(load(model), profile=True, runs=9).nodes.values())
+    runner = StageRunner(prepare_single(model, TrainConfig(microbatches=4), "loss"))
+    feeds = {"x": np.random.rand(rows, 512).astype(np.float32), "labels": np.zeros(rows, np.int64)}
+    backward = []
+    for step in range(steps):
+        for mb in range(4):
+            runner.forward(mb, dict(feeds))
+            start = time.perf_counter()
+            runner.backward(mb, {})
+            if step >= 2:
+                backward.append(time.perf_counter() - start)
+        runner.grads = {}
+    return float(sum(v.nbytes for v in runner.params.values())), statistics.median(backward), profiled
 
 
 def _transport_echo(prefix: str, inboxes: list, sizes: tuple[int, ...], repeat: int) -> None:
@@ -343,8 +369,14 @@ def report_corun() -> float:
     return fitted
 
 
+PARTS = ("all", "gradients", "corun")
+
+
 def main() -> None:
-    if sys.argv[1:] != ["corun"]:
+    part = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if part not in PARTS or len(sys.argv) > 2:
+        raise SystemExit(f"usage: measure_cpu.py [{'|'.join(PARTS)}]")
+    if part == "all":
         print(f"float32 GEMM, 1 thread: {gemm_flops() / 1e9:.1f} GFLOP/s")
         print(f"memory read, 1 thread: {read_bandwidth() / 1e9:.1f} GB/s")
         for n, seconds in shm_handoff_seconds().items():
@@ -354,10 +386,17 @@ def main() -> None:
             print(f"ShmTransport hand-off {n / 1024:.0f} KiB: {seconds * 1e6:.1f} us")
         forward, backward = action_seconds()
         print(f"StageRunner action of a one-node stage: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us (action_overhead)")
-    report_corun()
-    print(f"effective cores of 2 one-thread onnxruntime workers side by side: {effective_cores(2):.2f}")
-    print(f"effective cores of 4 one-thread onnxruntime workers side by side: {effective_cores(4):.2f}")
-    if sys.argv[1:] != ["corun"]:
+    if part in ("all", "gradients"):
+        for width in (1024, 256):
+            nbytes, measured, profiled = gradient_seconds(width)
+            rate = f"{nbytes / 1e9 / (measured - profiled):.1f} GB/s of gradients" if measured > profiled else "no gap"
+            print(f"StageRunner backward of a 4 x {width} perceptron ({nbytes / 2**20:.1f} MiB of weights), 32 rows: {measured * 1e3:.2f} ms, "
+                  f"its profile {profiled * 1e3:.2f} ms: {rate} (gradient_bandwidth)")
+    if part in ("all", "corun"):
+        report_corun()
+        print(f"effective cores of 2 one-thread onnxruntime workers side by side: {effective_cores(2):.2f}")
+        print(f"effective cores of 4 one-thread onnxruntime workers side by side: {effective_cores(4):.2f}")
+    if part == "all":
         for k in (2, 4):
             action, step, hop = pipeline_overheads(k)
             print(f"executor, {k} workers, width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions "
