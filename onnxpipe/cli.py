@@ -355,8 +355,11 @@ def _print_plan_quality(plan: Any) -> None:
                   highlight=False)
     console.print(f"lower bound: {plan.lower_bound_seconds * ms:.3f} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
                   highlight=False)
-    console.print(f"solver: {info.status} over {info.blocks} blocks (coarsening may cost up to {info.coarsening_loss:.2%} before refinement); "
-                  f"bound {info.bound_seconds * ms:.3f} ms for every plan, gap {info.gap:.2%}; {info.solve_seconds:.2f} s", highlight=False)
+    nodes = sum(len(s.nodes) for s in plan.stages)
+    over = ("node by node" if info.blocks >= nodes else
+            f"over {info.blocks} blocks (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
+    console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms for every plan, gap {info.gap:.2%}, "
+                  f"{info.solve_seconds:.2f} s", highlight=False)
 
 
 @app.command("plan")
