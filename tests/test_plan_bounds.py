@@ -61,9 +61,13 @@ def mixed_costs(graph, flops: list[float], params: list[float] | None = None) ->
     )
 
 
-def mixed_target(count: int, latency: float = 1e-5, bandwidth: float = 1e9) -> Target:
-    """A fast device with a large per-op overhead ("gpu") and a slow one with a small one ("fpga")."""
-    spec = {"gpu": (1e13, 2e-4), "fpga": (1e12, 1e-6)}
+#: Per group: peak FLOP/s and per-op overhead.
+FAST_SLOW = {"gpu": (1e13, 2e-4), "fpga": (1e12, 1e-6)}
+NEAR_TWINS = {"gpu": (1e12, 1e-6), "fpga": (7e11, 1e-6)}
+
+
+def mixed_target(count: int, latency: float = 1e-5, bandwidth: float = 1e9, spec: dict[str, tuple[float, float]] = FAST_SLOW) -> Target:
+    """Default: a fast device with a large per-op overhead ("gpu") and a slow one with a small one ("fpga")."""
     devices = tuple(
         Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e12, memory_bandwidth=1e12,
                efficiency={"default": 1.0}, op_overhead=overhead)
@@ -84,25 +88,27 @@ def one_group_target(count: int, latency: float, bandwidth: float) -> Target:
     return Target(name="one", description="", devices=devices, links=(link,), profile=False, source="<test>")
 
 
-def optimum(problem, stages: int) -> float:  # type: ignore[no-untyped-def]
-    """Least bottleneck over every forward-flowing assignment and every (group, replicas) per stage:
-    devices of one group are interchangeable, so taking each group's first free ones loses nothing."""
+def optimum(problem, stages: int, mixed: bool = False) -> float:  # type: ignore[no-untyped-def]
+    """Least bottleneck over every forward-flowing assignment and every device count per group and stage
+    (one group per stage unless `mixed`): devices of one group are interchangeable, so taking each
+    group's first free ones loses nothing."""
     n = problem.n
     edges = [(int(p), int(c)) for p, cs in zip(problem.tensor_producer, problem.tensor_consumers) if p >= 0 for c in cs]
-    options = [(g, r) for g, devs in enumerate(problem.group_devices) for r in range(1, len(devs) + 1)]
+    counts = [len(devs) for devs in problem.group_devices]
+    options = [mix for mix in itertools.product(*(range(c + 1) for c in counts)) if any(mix) and (mixed or sum(1 for c in mix if c) == 1)]
     best = np.inf
     for stage_of in itertools.product(range(stages), repeat=n):
         if len(set(stage_of)) < stages or any(stage_of[p] > stage_of[c] for p, c in edges):
             continue
         nodes = tuple(tuple(problem.nodes[i] for i in range(n) if stage_of[i] == s) for s in range(stages))
         for picks in itertools.product(options, repeat=stages):
-            taken = [0] * len(problem.group_devices)
-            devices = []
-            for g, r in picks:
-                devices.append(problem.group_devices[g][taken[g]:taken[g] + r])
-                taken[g] += r
-            if any(len(d) < r for d, (_, r) in zip(devices, picks)):
+            if any(sum(mix[g] for mix in picks) > c for g, c in enumerate(counts)):
                 continue
+            taken = [0] * len(counts)
+            devices = []
+            for mix in picks:
+                devices.append(tuple(d for g, r in enumerate(mix) for d in problem.group_devices[g][taken[g]:taken[g] + r]))
+                taken = [t + r for t, r in zip(taken, mix)]
             p = evaluate(problem, Assignment(nodes, tuple(devices), (False,) * stages))
             best = min(best, p.bottleneck_seconds)
     return best
@@ -124,6 +130,17 @@ def test_never_above_brute_force_on_heterogeneous_targets(data: st.DataObject, l
     problem = build_problem(graph, mixed_costs(graph, flops, params), mixed_target(1 if stages == 3 else 2, latency), batch=graph.batch * 2, microbatches=2)
     best = optimum(problem, stages)
     assert chain_bound(problem, stages) <= best * (1 + 1e-9)
+    assert lower_bound(problem, stages).seconds <= best * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data(), st.sampled_from([1e-6, 1e-4]), st.integers(1, 2))
+def test_never_above_brute_force_with_replicas_over_several_device_types(data: st.DataObject, latency: float, stages: int) -> None:
+    """Data parallelism over the whole target, or a baseline's replicas across a group boundary."""
+    n, skips, flops, params = random_dag(data)
+    graph = load(chain_model(n, skips))
+    problem = build_problem(graph, mixed_costs(graph, flops, params), mixed_target(2, latency, spec=NEAR_TWINS), batch=graph.batch * 4, microbatches=4)
+    best = optimum(problem, stages, mixed=True)
     assert lower_bound(problem, stages).seconds <= best * (1 + 1e-9)
 
 

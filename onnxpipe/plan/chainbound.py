@@ -4,9 +4,7 @@ contiguous and runs on one device group, which the fractional work bound does no
 Reading order: `Segments` / `segments` (graph only, cached) -> `chain_bound` -> `_Chain` (per problem)
 -> `_feasible` (the DP for one T) -> `_Chain.reach`.
 
-Why it is valid (for plans whose stages each run on replicas of one device group, as the planner, the
-DP and the baselines build them; `evaluate` prices a stage of mixed groups at its slowest group's
-speed, a case this bound does not cover):
+Why it is valid:
 
 1. Every stage of a plan is a difference of nested downsets of the compute-node DAG (data flows to the
    same or a later stage). A gap p of the topological order is CLEAN when every node after p has every
@@ -26,7 +24,11 @@ speed, a case this bound does not cover):
    and ends past max(start, 1) (some earlier node is then an ancestor of one of its nodes), and the
    least latency out of its group when it starts before the last segment and ends past its start but
    before the end (one of its nodes is then an ancestor of a later stage's). Every term is at most what
-   `evaluate` charges, and none grows when the start moves later.
+   `evaluate` charges, and none grows when the start moves later. A stage replicated over devices of
+   several groups (data parallelism over the whole target, a baseline's replicas across a group
+   boundary) costs `evaluate` its largest per-group work / r plus messages priced on its first
+   device's links: it is bounded by every one of its groups' work / r with the least latency of any
+   link and no all-reduce, and its neighbours treat it as a group of its own (segments dropped).
 4. For a given T the DP keeps, per (stages used, devices used per group, group of the last stage), the
    farthest position: a farther start never costs more, so farther dominates. T is feasible iff some
    walk of exactly `stages` stages (empty ones allowed) within the device counts reaches the end; the
@@ -36,6 +38,7 @@ speed, a case this bound does not cover):
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -149,13 +152,17 @@ class _Chain:
         ok = [[self.counts[h] >= (2 if h == g else 1) for h in groups] for g in groups]
         self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
         self.lat_out = [min((float(latency[g, h]) for h in groups if ok[g][h]), default=0.0) for g in groups]
-        self.allreduce: dict[tuple[int, int], tuple[float, float, list[float]]] = {}
+        links = [float(latency[g, h]) for g in groups for h in groups if ok[g][h]]
+        #: Least latency of any message, for stages replicated over several groups.
+        self.lat_any = min(links, default=0.0)
+        self.allreduce: dict[tuple[int, int, bool], tuple[float, float, list[float]]] = {}
         for g in groups:
             for r in range(1, self.most[g] + 1):
                 fixed, slope = allreduce_affine(problem, g, r) if r > 1 else (0.0, 0.0)
                 fixed, slope = fixed / problem.microbatches, slope / problem.microbatches
-                q = [w / r + slope * p for w, p in zip(self.prefix[g], self.params[g])]
-                self.allreduce[g, r] = (fixed, slope, q)
+                self.allreduce[g, r, True] = (fixed, slope, [w / r + slope * p for w, p in zip(self.prefix[g], self.params[g])])
+            for r in range(2, sum(self.counts) + 1):
+                self.allreduce[g, r, False] = (0.0, 0.0, [w / r for w in self.prefix[g]])
 
     def total(self, g: int) -> float:
         return self.prefix[g][-1]
@@ -164,23 +171,24 @@ class _Chain:
         i = min(int(x), self.m - 1)
         return self.prefix[g][i] + (x - i) * self.seg[g][i]
 
-    def reach(self, g: int, r: int, a: float, t: float) -> float:
-        """Farthest position (a supremum) a stage on r replicas of g starting at a can cover within t."""
+    def reach(self, g: int, r: int, a: float, t: float, ring: bool = True) -> float:
+        """Farthest position (a supremum) a stage on r replicas of g starting at a can cover within t;
+        `ring` False: the stage's replicas span several groups (no all-reduce, any link's latency)."""
         m = self.m
-        lat_in = self.lat_in[g] if a > 0 else 0.0
-        lat_out = self.lat_out[g] if a < m - 1 else 0.0
-        if self._cost(g, r, a, m) + (lat_in if m > max(a, 1.0) else 0.0) <= t:
+        lat_in = (self.lat_in[g] if ring else self.lat_any) if a > 0 else 0.0
+        lat_out = (self.lat_out[g] if ring else self.lat_any) if a < m - 1 else 0.0
+        if self._cost(g, r, a, m, ring) + (lat_in if m > max(a, 1.0) else 0.0) <= t:
             return float(m)
-        early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out))
-        return min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out)))
+        early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out, ring))
+        return min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring)))
 
-    def _cost(self, g: int, r: int, a: float, y: float) -> float:
-        fixed, slope, _ = self.allreduce[g, r]
+    def _cost(self, g: int, r: int, a: float, y: float, ring: bool) -> float:
+        fixed, slope, _ = self.allreduce[g, r, ring]
         first, last = math.ceil(a), math.floor(y)
         params = self.params[g][last] - self.params[g][first] if last > first else 0.0
         return (self.covered(g, y) - self.covered(g, a)) / r + (fixed + slope * params if params > 0 else 0.0)
 
-    def _solve(self, g: int, r: int, a: float, budget: float) -> float:
+    def _solve(self, g: int, r: int, a: float, budget: float, ring: bool) -> float:
         """Farthest y >= a with work / r + all-reduce <= budget (a when budget < 0)."""
         if budget < 0:
             return a
@@ -191,7 +199,7 @@ class _Chain:
         free = bisect.bisect_right(params, params[min(first, self.m)]) - 1
         y = self._inverse(prefix, seg, start + budget * r)
         best = min(y, float(free + 1)) if free < self.m else y
-        fixed, slope, q = self.allreduce[g, r]
+        fixed, slope, q = self.allreduce[g, r, ring]
         rest = budget - fixed + start / r + slope * params[min(first, self.m)]
         j = bisect.bisect_right(q, rest) - 1
         if j >= first and j >= 0:
@@ -208,25 +216,47 @@ class _Chain:
         return j + (min(1.0, (c - prefix[j]) / seg[j]) if seg[j] > 0 else 1.0)
 
 
+#: The `last` label of a stage replicated over several groups: it continues no group's fraction.
+_MIXED = -2
+
+
 def _feasible(chain: _Chain, stages: int, t: float) -> bool:
     """Some walk of exactly `stages` stages within the device counts covers every segment in time t."""
     devices = sum(chain.counts)
     groups = range(len(chain.counts))
+    mixes = _mixes(chain) if len(chain.counts) > 1 and max(chain.most) > 1 else ()
     level: dict[tuple[tuple[int, ...], int], float] = {((0,) * len(chain.counts), -1): 0.0}
     for j in range(stages):
         nxt: dict[tuple[tuple[int, ...], int], float] = {}
         spare = devices - (stages - j - 1)
+
+        def keep(used: tuple[int, ...], label: int, y: float) -> None:
+            if y > nxt.get((used, label), -1.0):
+                nxt[used, label] = y
+
         for (used, last), x in level.items():
+            later = min(float(chain.m), math.floor(x) + 1.0) if last != -1 else x
             for g in groups:
-                start = x if last in (-1, g) else min(float(chain.m), math.floor(x) + 1.0)
+                start = x if last in (-1, g) else later
                 for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):
                     if sum(used) + r > spare:
                         break
                     y = chain.reach(g, r, start, t)
                     if y >= chain.m:
                         return True
-                    key = (used[:g] + (used[g] + r,) + used[g + 1:], g)
-                    if y > nxt.get(key, -1.0):
-                        nxt[key] = y
+                    keep(used[:g] + (used[g] + r,) + used[g + 1:], g, y)
+            for mix in mixes:
+                if sum(used) + sum(mix) > spare or any(u + c > n for u, c, n in zip(used, mix, chain.counts)):
+                    continue
+                r = sum(mix)
+                y = min(chain.reach(g, r, later, t, ring=False) for g in groups if mix[g])
+                if y >= chain.m:
+                    return True
+                keep(tuple(u + c for u, c in zip(used, mix)), _MIXED, y)
         level = nxt
     return False
+
+
+def _mixes(chain: _Chain) -> list[tuple[int, ...]]:
+    """Device counts per group of a stage replicated over two or more groups."""
+    return [mix for mix in itertools.product(*(range(c + 1) for c in chain.counts)) if sum(1 for c in mix if c) >= 2]
