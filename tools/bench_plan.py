@@ -83,11 +83,12 @@ def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> st
         "knobs (VGG-16, ResNet-50, GNMT-8, GPT-2 and BERT at full size) and a 10,000-node GPT-2-shaped transformer (295 layers,",
         "d_model 128), analytic costs, one micro-batch = the model's batch, 2 x stages micro-batches, 1F1B, Adam.",
         "k = 8 runs on a copy of the target with every device count doubled (fpga4x2, gpu4x2, heterox2).",
-        "`ours/LB`: our bottleneck over the first-principles lower bound (work over device speed, largest node;",
-        "communication is not in it). `gap`: against a bound that holds for every plan (CP-SAT's proven bound where nothing is",
-        "coarsened, else the first-principles one). `status`: CP-SAT's verdict over the `blocks` coarse blocks (OPTIMAL: no plan",
-        "made of them is better); the plan is then refined around its stage cuts, down to single nodes. `coarsening ≤`: the most",
-        "rounding cuts to the coarse blocks can cost, before refinement.",
+        "`ours/LB`: our bottleneck over the first-principles lower bound (the best of: work over device speed, the largest node,",
+        "and the chain bound over clean gaps: contiguous stages on one device type, all-reduce of replicas, link latency; bytes",
+        "sent are not in it). `gap`: against a bound that holds for every plan (CP-SAT's proven bound where nothing is coarsened,",
+        "else the first-principles one). Graphs up to 500 nodes are solved node by node (`blocks` = nodes), so OPTIMAL there is",
+        "optimal for the graph; larger ones over `blocks` coarse blocks (OPTIMAL: no plan made of them is better), then refined",
+        "around the stage cuts down to single nodes. `coarsening ≤`: the most rounding cuts to the coarse blocks can cost, before refinement.",
         "Baseline columns: our bottleneck over theirs (< 1 is better; `-` = the baseline does not fit in memory).",
         "",
         "| model | nodes | target | k | solve s | status | gap | blocks | coarsening ≤ | ours/LB | " + " | ".join(baseline_names) + " |",
@@ -105,15 +106,18 @@ def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> st
     ok = [r for r in rows if "error" not in r]
     never_worse = all(v is None or v <= 1 + 1e-9 for r in ok for v in r["ratios"].values())
     small = [r for r in ok if r["nodes"] <= 1000]
-    small_ok = all(r["status"] == "OPTIMAL" and r["wall"] <= 2.0 for r in small)
+    def proven(r: dict) -> bool:
+        return r["status"] == "OPTIMAL" and r["blocks"] >= r["nodes"] and r["wall"] <= 2.0
+
+    small_ok = all(proven(r) for r in small)
     large = [r for r in ok if r["nodes"] >= 10000]
     large_ok = bool(large) and all(r["gap"] <= 0.02 and r["wall"] <= 10.0 for r in large)
-    misses = [f"{r['model']}/{r['target']}/k={r['k']} ({r['status']}, {r['wall']:.1f} s)" for r in small if not (r["status"] == "OPTIMAL" and r["wall"] <= 2.0)]
+    misses = [f"{r['model']}/{r['target']}/k={r['k']} ({r['status']}, {r['blocks']} blocks, {r['wall']:.1f} s)" for r in small if not proven(r)]
     lines += [
         "",
         "Goals:",
         f"- never worse than any baseline: **{'holds' if never_worse else 'MISSED'}**",
-        f"- proven optimal (on the coarsened problem) within 2 s for graphs up to 1,000 nodes: **{'holds' if small_ok else 'MISSED'}**"
+        f"- proven optimal for the graph itself (node by node) within 2 s for graphs up to 1,000 nodes (the zoo's largest has 412): **{'holds' if small_ok else 'MISSED'}**"
         + (f" (misses: {', '.join(misses[:8])}{' ...' if len(misses) > 8 else ''})" if misses else ""),
         f"- 10,000-node graphs within 2% of a bound that holds for every plan (gap) in at most 10 s: **{'holds' if large_ok else 'MISSED'}**",
     ]
