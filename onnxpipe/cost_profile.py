@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
-from onnxpipe.ortutil import cpu_session, gradient_model
+from onnxpipe.ortutil import REWRITTEN_OPS, REWRITTEN_SUFFIXES, complete_optional_outputs, cpu_session, gradient_model, pretraining_rewrite, state_inputs
 
 __all__ = ["profile_times"]
 
@@ -47,7 +47,7 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2) -> tuple[dict
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         forward = _profile(model, feeds, tmp, "forward", runs, warmup)
         training = _training_model(graph, model)
-        trained = _profile(training, feeds, tmp, "backward", runs, warmup) if training else {}
+        trained = _own_names(_profile(training, feeds, tmp, "backward", runs, warmup), forward) if training else {}
     backward = _backward_by_forward(trained)
     # Training runs a node's forward in its training form (MaxPool also returning the indices its
     # gradient needs, several times slower): where the gradient graph ran it, that is its forward time.
@@ -123,7 +123,8 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     """The model plus a scalar loss and its gradient graph, None when onnxruntime cannot build one."""
     floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
     used = {t for n in graph.compute_nodes for t in graph.node_inputs(n)}
-    wanted = {p for p in graph.parameters if p in used} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
+    state = state_inputs(model.graph)
+    wanted = {p for p in graph.parameters if p in used and p not in state} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
     if not floats or not wanted or model.ByteSize() >= _TWO_GB:
         return None
     lossy = onnx.ModelProto()
@@ -134,6 +135,11 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     else:
         loss = _append_sum_loss(lossy.graph, floats)
     try:
+        if any(n.op_type in REWRITTEN_OPS for n in lossy.graph.node):  # as training prepares them (train/graphs.py)
+            complete_optional_outputs(lossy.graph)
+            lossy = onnx.load_from_string(pretraining_rewrite(lossy.SerializeToString(), wanted))
+            # The rewrites merge equal-valued initializers (BatchNormalization's zero biases, say): time the survivors.
+            wanted &= {t.name for t in lossy.graph.initializer} | {i.name for i in lossy.graph.input}
         return gradient_model(lossy.SerializeToString(), loss, wanted)
     except Exception:  # ops without gradients: fall back to the FLOP ratio
         return None
@@ -154,6 +160,19 @@ def _append_sum_loss(g: onnx.GraphProto, outputs: list[str]) -> str:
         total = nxt
     g.output.append(helper.make_tensor_value_info(total, TensorProto.FLOAT, []))
     return total
+
+
+def _own_names(times: Mapping[str, float], forward: Mapping[str, float]) -> dict[str, float]:
+    """Times under the model's node names: a rewritten node (`<name>_training`, with gradient nodes
+    `<name>_training_Grad/...`, and likewise for the other `REWRITTEN_SUFFIXES`) back under `<name>`."""
+    out: dict[str, float] = {}
+    for node, seconds in times.items():
+        head, mark, rest = node.partition(_GRAD_MARK)
+        for suffix in REWRITTEN_SUFFIXES:
+            if head.endswith(suffix) and head.removesuffix(suffix) in forward:
+                node = head.removesuffix(suffix) + mark + rest
+        out[node] = out.get(node, 0.0) + seconds
+    return out
 
 
 def _backward_by_forward(times: Mapping[str, float]) -> dict[str, float]:

@@ -9,7 +9,21 @@ import os
 import sys
 from collections.abc import Iterator
 
-__all__ = ["quiet_stderr", "quiet_logger", "cpu_session", "gradient_model", "ort_reason"]
+__all__ = [
+    "quiet_stderr", "quiet_logger", "cpu_session", "gradient_model", "ort_reason",
+    "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "pretraining_rewrite", "state_inputs",
+]
+
+#: Ops differentiable only after onnxruntime's pre-training rewrites (LSTM -> com.microsoft LSTMTraining,
+#: BatchNormalization -> BatchNormInternal in training mode): a graph holding one goes through `pretraining_rewrite`.
+REWRITTEN_OPS = frozenset({"LSTM", "BatchNormalization"})
+#: What the rewrites append to a rewritten node's name (its gradient nodes are `<name><suffix>_Grad/...`).
+REWRITTEN_SUFFIXES = ("_training", "_BatchNormInternal")
+#: Inputs of a node that are state, not weights: BatchNormalization's running mean and variance.
+_STATE_INPUTS = {"BatchNormalization": (3, 4)}
+_OPTIONAL_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
+#: Optional inputs written out (as "") up to this count: the LSTM gradient reads them by position.
+_OPTIONAL_INPUTS = {"LSTM": 7}
 
 
 @contextlib.contextmanager
@@ -71,3 +85,30 @@ def ort_reason(exc: BaseException) -> str:
     """The reason in an onnxruntime error: its first line, after the source location and status code (separated by " : ")."""
     lines = str(exc).strip().splitlines()
     return lines[0].split(" : ")[-1][:300] if lines else type(exc).__name__
+
+
+def complete_optional_outputs(graph) -> None:  # graph: onnx.GraphProto
+    """The gradient builder needs LayerNormalization's Mean/InvStdDev and SoftmaxCrossEntropyLoss's log_prob
+    (and LSTM's optional inputs spelled out)."""
+    for i, node in enumerate(graph.node):
+        node.input.extend([""] * (_OPTIONAL_INPUTS.get(node.op_type, 0) - len(node.input)))
+        want = _OPTIONAL_OUTPUTS.get(node.op_type, 0)
+        for k in range(len(node.output), want):
+            node.output.append(f"{node.name or node.op_type + str(i)}/onnxpipe_opt{k}")
+        for k in range(want):
+            if not node.output[k]:
+                node.output[k] = f"{node.name or node.op_type + str(i)}/onnxpipe_opt{k}"
+
+
+def state_inputs(graph) -> set[str]:  # graph: onnx.GraphProto
+    """Tensors the graph's nodes read as state, not weights: never trained, never differentiated."""
+    return {n.input[i] for n in graph.node for i in _STATE_INPUTS.get(n.op_type, ()) if i < len(n.input)}
+
+
+def pretraining_rewrite(model: bytes, trained: set[str]) -> bytes:
+    """onnxruntime's pre-training graph rewrites (see `REWRITTEN_OPS`); onnxruntime's own exception when they fail."""
+    from onnxruntime.capi._pybind_state import SessionOptions, get_optimized_model
+
+    quiet_logger()
+    with quiet_stderr():
+        return get_optimized_model(model, trained, SessionOptions())

@@ -334,3 +334,17 @@ def test_cli_annotate_rejects_a_bad_dim_in_one_line(tmp_path):
     run = _cli(str(src), "--dim", "batch=4")
     assert run.returncode == 2
     assert "names no symbolic dim" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("name, knobs, op", [("gnmt-tiny", {}, "LSTM"), ("resnet-tiny", {"batchnorm": True}, "BatchNormalization")])
+def test_profile_times_the_backward_of_ops_training_rewrites(name, knobs, op):
+    """LSTM and BatchNormalization train only after onnxruntime's rewrites; the profile times them as
+    training runs them (the LSTM gradient costs several forwards), not by the FLOP ratio."""
+    from onnxpipe.models import build
+
+    graph = load(build(name, train=True, **knobs))
+    costs = annotate(graph, profile=True, runs=2, warmup=1)
+    rewritten = [c for n, c in costs.nodes.items() if graph.node(n).op_type == op]
+    assert rewritten and all(c.measured_backward_seconds is not None and c.measured_backward_seconds > 0 for c in rewritten)
+    if op == "LSTM":
+        assert all(c.measured_backward_seconds > 2 * c.measured_seconds for c in rewritten)

@@ -1,7 +1,7 @@
 """Stage training graphs: one stage model becomes a forward and a backward onnxruntime model.
 
 Reading order: `StageGraphs` -> `build_stage_graphs` (public entry) -> preparation passes
-(`_complete_optional_outputs`, `_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
+(`ortutil.complete_optional_outputs`, `_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
 -> `ensure_trainable` -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
 
 The trick: the stage's loss is its real loss (when it holds the model's loss) plus, for every
@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import is_weight
-from onnxpipe.ortutil import cpu_session, gradient_model, ort_reason, quiet_logger, quiet_stderr
+from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, cpu_session, gradient_model, ort_reason, pretraining_rewrite, state_inputs
 
 __all__ = [
     "StageGraphs",
@@ -33,7 +33,6 @@ __all__ = [
     "grad_input_name",
     "grad_name",
     "UNTRAINABLE_OPS",
-    "REWRITTEN_OPS",
     "TOTAL_LOSS",
 ]
 
@@ -41,16 +40,8 @@ __all__ = [
 UNTRAINABLE_OPS = frozenset(
     {"Einsum", "CumSum", "InstanceNormalization", "GroupNormalization", "GRU", "RNN", "Loop", "If", "Scan"}
 )
-#: Ops differentiable only after onnxruntime's pre-training rewrites (LSTM -> com.microsoft LSTMTraining,
-#: BatchNormalization -> BatchNormInternal in training mode): a stage holding one goes through `_pretraining_rewrite`.
-REWRITTEN_OPS = frozenset({"LSTM", "BatchNormalization"})
 #: Name of the stage's total (real + surrogate) loss output.
 TOTAL_LOSS = "onnxpipe/total_loss"
-_OPTIONAL_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
-#: Optional inputs written out (as "") up to this count: the LSTM gradient reads them by position.
-_OPTIONAL_INPUTS = {"LSTM": 7}
-#: Inputs of a node that are state, not weights: BatchNormalization's running mean and variance.
-_STATE_INPUTS = {"BatchNormalization": (3, 4)}
 
 
 def grad_input_name(output: str) -> str:
@@ -116,14 +107,14 @@ def build_stage_graphs(
     work = onnx.ModelProto()
     work.CopyFrom(model)
     inits = {t.name: t for t in work.graph.initializer}
-    state = {n.input[i] for n in work.graph.node for i in _STATE_INPUTS.get(n.op_type, ()) if i < len(n.input)}
+    state = state_inputs(work.graph)
     params = tuple(p for p in dict.fromkeys(params) if p in inits and p not in state and is_trainable_initializer(inits[p]))
     grad_inputs, grad_outputs = tuple(grad_inputs), tuple(grad_outputs)
     data_inputs = tuple(i.name for i in work.graph.input if i.name not in inits)
     outputs = tuple(o.name for o in work.graph.output if o.name != loss)
     initial = {p: numpy_helper.to_array(inits[p]).copy() for p in params}
 
-    _complete_optional_outputs(work.graph)
+    complete_optional_outputs(work.graph)
     _separate_repeated_inputs(work.graph, set(params) | set(grad_inputs))
     _lift_parameters(work.graph, params)
     forward_outputs = outputs + ((loss,) if loss else ())
@@ -162,19 +153,6 @@ def build_stage_graphs(
         forward.SerializeToString(), backward.SerializeToString(), data_inputs, outputs, params, trained,
         grad_inputs, grad_outputs, stash, backward_inputs, loss, recompute, initial,
     )
-
-
-def _complete_optional_outputs(graph: onnx.GraphProto) -> None:
-    """The gradient builder needs LayerNormalization's Mean/InvStdDev and SoftmaxCrossEntropyLoss's log_prob
-    (and LSTM's optional inputs spelled out)."""
-    for i, node in enumerate(graph.node):
-        node.input.extend([""] * (_OPTIONAL_INPUTS.get(node.op_type, 0) - len(node.input)))
-        want = _OPTIONAL_OUTPUTS.get(node.op_type, 0)
-        for k in range(len(node.output), want):
-            node.output.append(f"{node.name or node.op_type + str(i)}/onnxpipe_opt{k}")
-        for k in range(want):
-            if not node.output[k]:
-                node.output[k] = f"{node.name or node.op_type + str(i)}/onnxpipe_opt{k}"
 
 
 def _separate_repeated_inputs(graph: onnx.GraphProto, trained: set[str]) -> None:
@@ -254,12 +232,8 @@ def _pretraining_rewrite(model: onnx.ModelProto, trained: set[str], origin: str)
     normalizes with each micro-batch's statistics, and its running mean and variance are not
     updated (they stay as in the stage file, which export keeps for inference).
     """
-    from onnxruntime.capi._pybind_state import SessionOptions, get_optimized_model
-
-    quiet_logger()
     try:
-        with quiet_stderr():
-            rewritten = get_optimized_model(model.SerializeToString(), trained, SessionOptions())
+        rewritten = pretraining_rewrite(model.SerializeToString(), trained)
     except Exception as exc:  # onnxruntime raises plain RuntimeError/Fail with a long message
         raise OnnxpipeError(f"{origin}: onnxruntime's pre-training rewrites failed: {ort_reason(exc)}; check the model's ops with `onnxpipe inspect`") from exc
     return onnx.load_from_string(rewritten)
