@@ -33,7 +33,7 @@ from onnxpipe.split import split
 from benchdoc import write_section
 
 NAME = Path(__file__).stem
-MODELS = ("mlp", "resnet-tiny", "inception-tiny", "transformer-tiny", "gpt2-tiny", "bert-tiny", "two-io")
+MODELS = ("mlp", "resnet-tiny", "inception-tiny", "transformer-tiny", "gpt2-tiny", "bert-tiny", "gnmt-tiny", "two-io")
 #: Zoo knobs per model: one training step takes 100-160 ms on cpu2, 185-280 ms on cpu4 (per micro-batch stage compute of
 #: milliseconds), so fixed per-message costs (tens of microseconds) are small against a stage's compute.
 KNOBS: dict[str, dict[str, int | bool]] = {
@@ -43,6 +43,7 @@ KNOBS: dict[str, dict[str, int | bool]] = {
     "transformer-tiny": {"layers": 4, "d_model": 192, "heads": 4, "seq": 32, "batch": 16},
     "gpt2-tiny": {"d_model": 192, "seq": 32, "batch": 16},
     "bert-tiny": {"layers": 4, "d_model": 192, "seq": 32, "batch": 16},
+    "gnmt-tiny": {"hidden": 128, "seq": 24, "batch": 16, "vocab": 512},
     "two-io": {"width": 1024, "in_features": 512, "batch": 256},
 }
 #: Stages and micro-batches per target: one stage per worker, 2 x stages micro-batches.
