@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from onnxpipe.cost import Costs, NodeCost
+from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
 from onnxpipe.plan import Assignment, Plan, baselines, build_problem, compare, evaluate, fits, lower_bound, plan
-from onnxpipe.target import Device, Link, Target
+from onnxpipe.target import Device, Link, Target, load_target
 
 GIB = 2.0**30
 
@@ -164,10 +164,8 @@ def test_default_plan_chooses_a_stage_count_no_baseline_beats(n: int, data: st.D
 
 @pytest.mark.parametrize("target_name", ["fpga4", "gpu4", "hetero"])
 def test_default_plan_of_gpt2_tiny_beats_every_baseline(target_name: str) -> None:
-    from onnxpipe.cost import annotate
     from onnxpipe.models import build
     from onnxpipe.plan import faster_stage_count
-    from onnxpipe.target import load_target
 
     graph = load(build("gpt2-tiny"))
     costs, target = annotate(graph), load_target(target_name)
@@ -293,6 +291,23 @@ def test_exploration_keeps_the_fastest_feasible_configuration() -> None:
     assert {c.microbatches for c in p.explored} == {1, 2, 4, 8}
     feasible = [c for c in p.explored if c.feasible]
     assert p.iteration_seconds <= min(c.iteration_seconds for c in feasible) * (1 + 1e-9)
+
+
+def test_exploration_is_never_slower_than_a_baseline_of_any_configuration_explored() -> None:
+    """GNMT-8 on hetero: PipeDream's planner at 4 stages, 8 micro-batches, 1F1B beats the DP's plan of
+    every configuration, so exploring the DP's plans alone would lose to it."""
+    from onnxpipe.models import build
+
+    graph = load(build("gnmt8"))
+    costs, target = annotate(graph), load_target("hetero")
+    p = plan(graph, costs, target, batch=8, microbatches="auto", schedule="auto", time_limit=5)
+    base = build_problem(graph, costs, target, batch=8, microbatches=1)
+    theirs = [
+        b.iteration_seconds
+        for m in (1, 2, 4, 8) for schedule in ("gpipe", "1f1b") for k in (1, 2, 3, 4)
+        for b in baselines(base.with_options(microbatches=m, schedule=schedule), k).values() if fits(b)
+    ]
+    assert theirs and p.iteration_seconds <= min(theirs) * (1 + 1e-9)
 
 
 def test_plan_json_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,7 @@
 """BaPipe-style exploration: schedules x micro-batch counts x stage counts (replication inside each),
-each priced by the DP + `evaluate` and ranked by predicted iteration time for the global batch;
-`by_stage_count` prices every stage count at one schedule and micro-batch count, baselines included,
-so the planner can pick the stage count no baseline beats."""
+each priced by the DP, every baseline and `evaluate`, and ranked by predicted iteration time for the
+global batch, so no baseline in any configuration explored is predicted faster than the winner;
+`by_stage_count` does the same for every stage count at one schedule and micro-batch count."""
 
 from __future__ import annotations
 
@@ -32,33 +32,39 @@ def explore(
     recompute: str = "auto",
     replicas: bool = True,
     progress: Callable[[str], None] | None = None,
-) -> tuple[tuple[Candidate, ...], Problem | None, int | None]:
-    """Every configuration tried (best first) and the winner's problem and stage count."""
+) -> tuple[tuple[Candidate, ...], Problem | None, int | None, tuple[Plan, ...]]:
+    """Every configuration tried (best first), and the winner's problem, stage count and priced plans."""
     report = progress or (lambda _: None)
-    tried: list[tuple[Candidate, Problem, int]] = []
+    tried: list[tuple[Candidate, Problem, int, list[Plan]]] = []
     for m in microbatches:
         for schedule in schedules:
             variant = problem.with_options(microbatches=m, schedule=schedule)
             for k in stage_counts:
                 report(f"exploring {schedule}, {m} micro-batches, {k} stages")
-                plan = _quick_plan(variant, k, recompute, replicas)
-                if plan is None:
-                    tried.append((Candidate(schedule, m, k, 1, float("inf"), 0.0, False, "infeasible: too few blocks for the stages"), variant, k))
-                    continue
-                tried.append((candidate(plan), variant, k))
+                quick, fitting = _priced(variant, k, recompute, replicas)
+                if fitting:
+                    tried.append((candidate(min(fitting, key=lambda p: p.iteration_seconds)), variant, k, fitting))
+                elif quick is not None:
+                    tried.append((candidate(quick), variant, k, []))
+                else:
+                    tried.append((Candidate(schedule, m, k, 1, float("inf"), 0.0, False, "infeasible: too few blocks for the stages"), variant, k, []))
     tried.sort(key=lambda item: (not item[0].feasible, item[0].iteration_seconds))
-    winner = tried[0] if tried and tried[0][0].feasible else None
-    return tuple(c for c, _, _ in tried), (winner[1] if winner else None), (winner[2] if winner else None)
+    if not tried or not tried[0][0].feasible:
+        return tuple(c for c, _, _, _ in tried), None, None, ()
+    _, variant, k, plans = tried[0]
+    return tuple(c for c, _, _, _ in tried), variant, k, tuple(plans)
 
 
 def by_stage_count(problem: Problem, stage_counts: Sequence[int], recompute: str = "auto", replicas: bool = True) -> dict[int, list[Plan]]:
     """Fitting plans per stage count: the DP's and every baseline's (data parallelism counts as one stage)."""
-    found: dict[int, list[Plan]] = {}
-    for k in stage_counts:
-        quick = _quick_plan(problem, k, recompute, replicas)
-        others = baselines(problem, k, recompute, replicas)
-        found[k] = [p for p in ([quick] if quick else []) + list(others.values()) if fits(p) and len(p.stages) == k]
-    return found
+    return {k: _priced(problem, k, recompute, replicas)[1] for k in stage_counts}
+
+
+def _priced(problem: Problem, stages: int, recompute: str, replicas: bool) -> tuple[Plan | None, list[Plan]]:
+    """The DP's plan (see `_quick_plan`), and the fitting plans of `stages` stages among it and every baseline."""
+    quick = _quick_plan(problem, stages, recompute, replicas)
+    others = baselines(problem, stages, recompute, replicas)
+    return quick, [p for p in ([quick] if quick else []) + list(others.values()) if fits(p) and len(p.stages) == stages]
 
 
 def candidate(plan: Plan) -> Candidate:
