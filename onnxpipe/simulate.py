@@ -16,7 +16,10 @@ its bandwidth equally (processor sharing), then pay its latency. On "shm" links 
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
 other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
 devices run on that many cores (less what `background` work takes): a worker that becomes
-runnable takes a free core or waits for one, as the OS assigns them (`_Cores`). While two or more
+runnable takes a free core or waits for one, as the OS assigns them (`_Cores`); with the target's
+`time_slice` (measured), a worker that computes through a slice while others wait goes to the back
+of the queue and the first waiting takes its core (round robin), else it keeps the core until it
+blocks. An action's event spans its wall time, waits between its slices included. While two or more
 workers compute at once and their working sets (static memory plus one micro-batch's stash each)
 together overflow the target's `shared_cache`, each action runs slower by its stage's
 `corun_slowdown` (the plan's, from the target's `corun_bandwidth`: its weights and their gradients
@@ -320,15 +323,20 @@ class _Links:
 
 
 class _Cores:
-    """cpu workers on the target's cores, assigned as the OS scheduler does for actions shorter than
-    its time slices: a worker holds a core from when it becomes runnable until it blocks (waits for a
-    transfer that has not arrived, or for the other holders at STEP, or has finished its row), not
-    only while it computes (sends, receives and their bookkeeping take the processor too). A worker
-    that needs a core to compute while ceil(available) are held waits, first come first served,
-    until one is released; the holders share the available cores (min(1, available / holders) each).
-    While other workers compute too and the computing workers' working sets (static memory plus one
-    micro-batch's stash each) overflow the target's `shared_cache`, a worker's action runs 1 + its
-    stage's `corun_slowdown` times slower (their weights come from memory, fought over).
+    """cpu workers on the target's cores, assigned as the OS scheduler does: a worker holds a core from
+    when it becomes runnable until it blocks (waits for a transfer that has not arrived, or for the other
+    holders at STEP, or has finished its row), not only while it computes (sends, receives and their
+    bookkeeping take the processor too). A worker that needs a core to compute while ceil(available) are
+    held waits, first come first served, until one is released; the holders share the available cores
+    (min(1, available / holders) each). With the target's `time_slice` (measured: the scheduler preempts
+    a busy process after it while others are runnable), holding runs in slices from when the worker got
+    its core: at the end of a slice during which workers wait, a computing holder goes to the back of
+    the queue with the rest of its action and the first waiting worker takes the core (round robin; the
+    action's event spans it all, waits included, as the executor times it). Without it, a holder keeps its
+    core until it blocks (the OS for actions shorter than its slices). While other workers compute too
+    and the computing workers' working sets (static memory plus one micro-batch's stash each) overflow
+    the target's `shared_cache`, a worker's action runs 1 + its stage's `corun_slowdown` times slower
+    (their weights come from memory, fought over).
 
     Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
     with one busy process beside two workers on two cores, the workers take turns on the other core.
@@ -338,37 +346,46 @@ class _Cores:
     def __init__(self, plan: Plan, target: Target, costs: tuple[_StageCost, ...], background: float) -> None:
         self.cores = max(target.cores - background, target.cores / (1 + background))
         self._cache = target.shared_cache
+        self._slice = target.time_slice
         self._slots = max(1, math.ceil(self.cores - 1e-9))
         #: Per worker (stage-major): whether it computes on the shared cores.
         self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
         #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
         self._corun = tuple(st.corun_slowdown for st in plan.stages for _ in st.devices)
         self._working = tuple(_static_bytes(st) + costs[s].stash for s, st in enumerate(plan.stages) for _ in st.devices)
-        #: worker -> [seconds of work left at full speed, op, micro-batch, start on its core].
+        #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action].
         self.active: dict[int, list[Any]] = {}
-        #: Workers holding a core (computing or not).
-        self._holding: set[int] = set()
-        #: Runnable workers waiting for a core: (worker, work, op, micro-batch), in arrival order.
-        self._waiting: list[tuple[int, float, str, int]] = []
+        #: Workers holding a core (computing or not) -> when they got it.
+        self._holding: dict[int, float] = {}
+        #: Runnable workers waiting for a core, in arrival order, with their action (start None until it first runs).
+        self._waiting: list[tuple[int, list[Any]]] = []
 
     def start(self, now: float, worker: int, work: float, op: str, microbatch: int) -> None:
         if worker in self._holding:
             self.active[worker] = [work, op, microbatch, now]
         else:
-            self._waiting.append((worker, work, op, microbatch))
+            self._waiting.append((worker, [work, op, microbatch, None]))
             self._assign(now)
 
     def release(self, now: float, worker: int) -> None:
         """The worker blocks: its core goes to the next one waiting."""
         if worker in self._holding and worker not in self.active:
-            self._holding.discard(worker)
+            del self._holding[worker]
             self._assign(now)
 
     def _assign(self, now: float) -> None:
         while self._waiting and len(self._holding) < self._slots:
-            worker, work, op, mb = self._waiting.pop(0)
-            self._holding.add(worker)
-            self.active[worker] = [work, op, mb, now]
+            worker, job = self._waiting.pop(0)
+            self._holding[worker] = now
+            self.active[worker] = [job[0], job[1], job[2], now if job[3] is None else job[3]]
+
+    def _slice_end(self, worker: int, now: float) -> float:
+        """The end of the holder's slice running at `now` (the next one when one ends exactly then)."""
+        got = self._holding[worker]
+        return got + self._slice * (math.floor((now - got) / self._slice + 1e-9) + 1)
+
+    def _preempting(self) -> bool:
+        return bool(self._slice and self._waiting)
 
     def _rates(self) -> dict[int, float]:
         share = min(1.0, self.cores / len(self._holding))
@@ -379,19 +396,28 @@ class _Cores:
         if not self.active:
             return math.inf
         rates = self._rates()
-        return min(now + job[0] / rates[w] for w, job in self.active.items())
+        ends = [self._slice_end(w, now) for w in self.active] if self._preempting() else []
+        return min([now + job[0] / rates[w] for w, job in self.active.items()] + ends)
 
     def advance(self, now: float, later: float) -> list[tuple[int, str, int, float]]:
         """Do the work from now to later; return (worker, op, micro-batch, start) of the actions
-        finished by `later` (their workers keep their cores until they block)."""
+        finished by `later` (their workers keep their cores until they block). Computing holders whose
+        slice ends by `later` give their cores to as many waiting workers."""
         if not self.active:
             return []
         rates = self._rates()
-        # Same expression as next_time, so the action that set `later` finishes exactly then.
+        # Same expressions as next_time, so the action or slice that set `later` ends exactly then.
         done = [w for w, job in self.active.items() if now + job[0] / rates[w] <= later]
+        due = sorted((self._holding[w], w) for w in self.active if w not in done and self._preempting() and self._slice_end(w, now) <= later)
         for w, job in self.active.items():
             job[0] -= (later - now) * rates[w]
-        return [(w, *self.active.pop(w)[1:]) for w in done]
+        finished = [(w, *self.active.pop(w)[1:]) for w in done]
+        waiting = len(self._waiting)
+        for _, w in due[:waiting]:
+            del self._holding[w]
+            self._waiting.append((w, self.active.pop(w)))
+        self._assign(later)
+        return finished
 
 
 def _run(

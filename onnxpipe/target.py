@@ -103,6 +103,9 @@ class Target:
     corun_bandwidth: float = 0.0
     #: Bytes of the cache the cores share (last-level cache).
     shared_cache: float = 0.0
+    #: Seconds a cpu worker computes on a shared core before the OS scheduler hands that core to one
+    #: waiting for it (measured); 0: a worker keeps its core until it blocks.
+    time_slice: float = 0.0
 
     def device(self, name: str) -> Device:
         """The device of a given instance name."""
@@ -193,6 +196,7 @@ _EXAMPLES = {
     "efficiency": "efficiency = { default = 0.5 }",
     "corun_bandwidth": 'corun_bandwidth = "45 GB/s"',
     "shared_cache": 'shared_cache = "32 MiB"',
+    "time_slice": 'time_slice = "4 ms"',
     "default": "default = 0.5",
     "between": 'between = ["u280", "u280"]',
     "bandwidth": 'bandwidth = "12 GB/s"',
@@ -235,7 +239,7 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 
 
 def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
-    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache"), origin, "")
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice"), origin, "")
     name = _ensure_str(doc, "name", origin, "")
     description = _ensure_str(doc, "description", origin, "")
     profile = doc.get("profile", False)
@@ -262,7 +266,13 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
     if cores and not any(d.kind == "cpu" for d in devices):
         _fail(origin, "cores", "only cpu devices share cores; remove it or add cpu devices")
     corun = _ensure_corun(doc, bool(cores), origin)
-    return Target(name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores), **corun)
+    if "time_slice" in doc and not cores:
+        _fail(origin, "time_slice", "only workers sharing `cores` take turns on them; add cores or remove it")
+    time_slice = _ensure_quantity(doc, "time_slice", "time", origin, "") if "time_slice" in doc else 0.0
+    return Target(
+        name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores),
+        time_slice=time_slice, **corun,
+    )
 
 
 def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, float]:

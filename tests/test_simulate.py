@@ -367,6 +367,42 @@ def test_a_worker_keeps_its_core_until_it_blocks() -> None:
     assert forwards == [(0, 0, 0.0), (0, 1, 2.0), (1, 0, 4.0), (1, 1, 5.0)]
 
 
+def test_workers_waiting_for_a_core_take_turns_each_time_slice() -> None:
+    # One stage on three replicas (one micro-batch each, F 3 s of work, no backward), slice 1 s. One core:
+    # round robin 0, 1, 2, 0, 1, 2, 0; a replica blocks at STEP once its F ends, passing the core on.
+    # Each F event spans its wall time from when it first ran, the waits between its slices included.
+    base = make_target(3)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1, time_slice=1.0)
+    plan = make_plan(1, 3, schedule="gpipe", forward=1.0, backward=0.0, devices=(("acc_0", "acc_1", "acc_2"),))
+
+    def forwards(target: Target) -> list[tuple[int, float, float]]:
+        return sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == "F")
+
+    assert forwards(cpus) == [(0, 0.0, 7.0), (1, 1.0, 8.0), (2, 2.0, 9.0)]
+    sim = simulate(plan, cpus)
+    assert sim.iteration_seconds == pytest.approx(9.0)
+    assert sim.replica_busy_seconds == (pytest.approx((7.0, 7.0, 7.0)),)
+    # Two cores: 0 and 1 run; at 1 s replica 0 (first to get its core) yields to 2; at 2 s 1 yields to 0,
+    # at 3 s 2 yields to 1; 0 and 1 finish at 4 s and 2 ends its last second alone: 5 s instead of 6 s.
+    assert forwards(replace(cpus, cores=2)) == [(0, 0.0, 4.0), (1, 0.0, 4.0), (2, 1.0, 5.0)]
+    assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(5.0)
+    # No slice (a target without the field), or one longer than the actions: each holds its core until it blocks.
+    for target in (replace(cpus, time_slice=0.0), replace(cpus, time_slice=10.0)):
+        assert forwards(target) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
+        assert forwards(replace(target, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.0)]
+
+
+def test_a_slice_ending_with_nobody_waiting_starts_the_next() -> None:
+    # One core, slice 1 s: stage 0's F0 and F1 (1.5 s each) run alone; stage 1, woken by F0's arrival at
+    # 1.5 s, waits for the end of stage 0's second slice (2 s), then they alternate: F1 of stage 0 ends
+    # at 4 s (0.5 s done before 2 s, 1 s in 3-4 s), stage 1's F0 at 4.5 s (1 s in 2-3 s, 0.5 s after 4 s).
+    base = make_target(2)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1, time_slice=1.0)
+    sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.5, backward=0.0), cpus)
+    forwards = sorted((e.stage, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in sim.events if e.kind == "F")
+    assert forwards == [(0, 0, 0.0, 1.5), (0, 1, 1.5, 4.0), (1, 0, 2.0, 4.5), (1, 1, 4.5, 6.0)]
+
+
 def test_workers_computing_together_slow_by_their_stages_corun_slowdown() -> None:
     # GPipe, 2 stages, 2 micro-batches, F 1 s, two cores: stage 0's F1 and stage 1's F0 overlap from 1 s.
     base = make_target(2)

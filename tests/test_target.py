@@ -153,6 +153,7 @@ BAD = [
     ('name = "tiny"', 'name = "tiny"\ncores = 0', r": cores: expected a positive number"),
     ('name = "tiny"', 'name = "tiny"\ncores = 2', r": cores: only cpu devices share cores"),
     ('name = "tiny"', 'name = "tiny"\ncorun_bandwidth = "45 GB/s"', r": corun_bandwidth: only workers sharing `cores` slow each other down; add cores or remove it"),
+    ('name = "tiny"', 'name = "tiny"\ntime_slice = "4 ms"', r": time_slice: only workers sharing `cores` take turns on them; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
 
@@ -197,6 +198,18 @@ def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
         ('shared_cache = "32 MiB"', r": shared_cache: only used with corun_bandwidth; add e\.g\. corun_bandwidth = \"45 GB/s\" or remove it"),
         ('corun_bandwidth = "50 GB/s"\nshared_cache = "-1 MiB"', r": shared_cache: must be zero or more"),
     ]:
+        path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
+        with pytest.raises(OnnxpipeError) as info:
+            load_target(path)
+        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+        assert re.search(message, str(info.value)), str(info.value)
+
+
+def test_time_slice_is_optional(tmp_path: Path) -> None:
+    cpu = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
+    assert load_target(write(tmp_path, cpu)).time_slice == 0.0
+    assert load_target(write(tmp_path, cpu.replace("cores = 2", 'cores = 2\ntime_slice = "4 ms"'))).time_slice == pytest.approx(4e-3)
+    for extra, message in [('time_slice = "4 MB"', r": time_slice: bad unit 'MB'; use "), ('time_slice = "0 ms"', r": time_slice: must be positive")]:
         path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
         with pytest.raises(OnnxpipeError) as info:
             load_target(path)

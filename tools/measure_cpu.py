@@ -6,9 +6,11 @@ of one forward and one backward action of the executor's `StageRunner` alone and
 processes (`action_overhead`), the driver's share of a step (`step_overhead`), what a backward action costs beyond its profile per byte of
 gradients it returns and sums (`gradient_bandwidth`), and how much slower a node
 runs while another worker computes beside it (`corun_bandwidth`: when two working sets overflow the shared
-cache, nodes lose time in proportion to the weight bytes they read).
+cache, nodes lose time in proportion to the weight bytes they read), and the time slice the scheduler gives a
+busy process while more are runnable than cores (`time_slice`).
 
-Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun]   (a part alone: `gradient_bandwidth`; the co-run slowdowns and `cores`)
+Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun|slice]   (a part alone: `gradient_bandwidth`; the co-run
+slowdowns and `cores`; `time_slice`)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 from multiprocessing import Pipe, Process, shared_memory
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -369,7 +372,70 @@ def report_corun() -> float:
     return fitted
 
 
-PARTS = ("all", "gradients", "corun")
+def _spin(conn: Connection, seconds: float, gap: float) -> None:
+    """Spin on the clock for `seconds`; send (run lengths, gaps): a jump of more than `gap` between two
+    readings is time the process did not run, and the time between two jumps is one run on a core."""
+    conn.recv()
+    runs, gaps = [], []
+    begin = last = time.perf_counter()
+    end = begin + seconds
+    while last < end:
+        now = time.perf_counter()
+        if now - last > gap:
+            runs.append(last - begin)
+            gaps.append(now - last)
+            begin = now
+        last = now
+    conn.send((runs[1:], gaps))  # the first run started before the others were busy
+
+
+def time_slices(processes: int, seconds: float = 3.0, gap: float = 50e-6) -> tuple[list[float], list[float]]:
+    """(run lengths, gaps) of `processes` one-thread busy processes started together on this machine's
+    cores: with more of them than cores, the scheduler preempts each after a time slice and it waits
+    while the others run theirs."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(processes)]
+    procs = [ctx.Process(target=_spin, args=(theirs, seconds, gap)) for _, theirs in pipes]
+    for proc in procs:
+        proc.start()
+    time.sleep(1.0)  # all started and waiting
+    for ours, _ in pipes:
+        ours.send(1)
+    results = [ours.recv() for ours, _ in pipes]
+    for proc in procs:
+        proc.join()
+    return [r for runs, _ in results for r in runs], [g for _, gaps in results for g in gaps]
+
+
+def _scheduler_settings() -> str:
+    """The kernel's slice settings where they can be read (the measurement is what counts)."""
+    paths = ("/sys/kernel/debug/sched/base_slice_ns", "/proc/sys/kernel/sched_base_slice_ns", "/proc/sys/kernel/sched_min_granularity_ns")
+    found = []
+    for path in paths:
+        try:
+            found.append(f"{path} = {Path(path).read_text().strip()}")
+        except OSError:
+            continue
+    return "; ".join(found) or "no slice setting readable"
+
+
+def report_slices() -> None:
+    """Print the median run between preemptions and the median wait for 2, 3 and 4 busy processes."""
+    print(f"kernel {os.uname().release}: {_scheduler_settings()}")
+    for processes in (2, 3, 4):
+        runs, gaps = time_slices(processes)
+        if len(runs) < 2:
+            print(f"{processes} busy one-thread processes on {os.cpu_count()} vCPUs: not preempted")
+            continue
+        low, _, high = statistics.quantiles(runs, n=4)
+        print(f"{processes} busy one-thread processes on {os.cpu_count()} vCPUs: {len(runs)} runs, median run between preemptions "
+              f"{statistics.median(runs) * 1e3:.2f} ms (quartiles {low * 1e3:.2f}-{high * 1e3:.2f} ms), median wait "
+              f"{statistics.median(gaps) * 1e3:.2f} ms (time_slice)")
+
+
+PARTS = ("all", "gradients", "corun", "slice")
 
 
 def main() -> None:
@@ -396,6 +462,8 @@ def main() -> None:
         report_corun()
         print(f"effective cores of 2 one-thread onnxruntime workers side by side: {effective_cores(2):.2f}")
         print(f"effective cores of 4 one-thread onnxruntime workers side by side: {effective_cores(4):.2f}")
+    if part in ("all", "slice"):
+        report_slices()
     if part == "all":
         for k in (2, 4):
             action, step, hop = pipeline_overheads(k)
