@@ -358,7 +358,7 @@ def _print_plan_quality(plan: Any) -> None:
     nodes = sum(len(s.nodes) for s in plan.stages)
     over = ("node by node" if info.blocks >= nodes else
             f"over {info.blocks} blocks (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
-    console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms for every plan, gap {info.gap:.2%}, "
+    console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, "
                   f"{info.solve_seconds:.2f} s", highlight=False)
 
 

@@ -102,7 +102,7 @@ def test_plan(work: Path) -> None:
     out = ok("plan", "mlp.onnx", "-t", "fpga4", "--stages", "2", "--time-limit", "5", "-o", "plan.json", "--compare", cwd=work)
     assert re.search(r"2 stages of mlp\.onnx on .*fpga4", out)
     assert re.search(r"lower bound: [\d.]+ ms \(bottleneck / bound = [\d.]+\)", out)
-    assert re.search(r"solver: (OPTIMAL|FEASIBLE) node by node, bound [\d.]+ ms for every plan, gap", out) and "baselines" in out and "wrote plan.json" in out
+    assert re.search(r"solver: (OPTIMAL|FEASIBLE) node by node, bound [\d.]+ ms, gap", out) and "baselines" in out and "wrote plan.json" in out
     assert len(json.loads((work / "plan.json").read_text())["stages"]) == 2
 
 

@@ -86,7 +86,8 @@ class SolveInfo:
     #: or the name of the method for baselines ("dp", "uniform", ...).
     status: str
     #: A lower bound on the bottleneck (seconds per micro-batch) of every plan of this configuration,
-    #: whatever its cuts: CP-SAT's proven bound when it searched single nodes, else the first-principles one.
+    #: whatever its cuts: CP-SAT's proven bound when it searched single nodes (over stages that each run
+    #: on one device type, the planner's space), else the first-principles one.
     bound_seconds: float
     #: (objective - bound) / objective: how far above the best possible plan this one may be, at most.
     gap: float
