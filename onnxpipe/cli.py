@@ -283,7 +283,7 @@ def split(
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
 
-    table = Table(title=f"{len(manifest.stages)} stages of {escape(graph.source)} on {escape(plan.target)}")
+    table = Table(title=f"{len(manifest.stages)} stage{'s' if len(manifest.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}")
     for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
     for s in manifest.stages:
@@ -399,7 +399,7 @@ def plan_command(
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
         )
     ms = 1e3
-    table = Table(title=f"{len(plan.stages)} stages of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
+    table = Table(title=f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plan.microbatches} micro-batches, {plan.schedule}, {plan.optimizer}")
     for column in ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
