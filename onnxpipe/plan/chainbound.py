@@ -131,8 +131,6 @@ class _Chain:
     """Prefix sums per group (work) and per group and replica count (work / r + all-reduce slope)."""
 
     def __init__(self, problem: Problem, segs: Segments, replicas: bool) -> None:
-        from onnxpipe.plan.dp import allreduce_affine  # dp -> layout -> evaluate -> bounds -> here
-
         kept = segs.of >= 0
         of = segs.of[kept]
         work = (problem.forward + problem.backward)[:, kept]
@@ -158,7 +156,7 @@ class _Chain:
         self.allreduce: dict[tuple[int, int, bool], tuple[float, float, list[float]]] = {}
         for g in groups:
             for r in range(1, self.most[g] + 1):
-                fixed, slope = allreduce_affine(problem, g, r) if r > 1 else (0.0, 0.0)
+                fixed, slope = problem.allreduce_affine(g, r) if r > 1 else (0.0, 0.0)
                 fixed, slope = fixed / problem.microbatches, slope / problem.microbatches
                 self.allreduce[g, r, True] = (fixed, slope, [w / r + slope * p for w, p in zip(self.prefix[g], self.params[g])])
             for r in range(2, sum(self.counts) + 1):

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
-from onnxpipe.plan.dp import allreduce_affine
 from onnxpipe.plan.layout import Layout
 from onnxpipe.plan.problem import Problem, held, in_flight
 
@@ -235,7 +234,7 @@ class _Model:
                     inside = sum(self.came_from[t][s][gp] * self._message(t, gp, g, r) for t in crossing for gp in groups)
                     cp.Add(comm_in >= inside).OnlyEnforceIf(y)
                 if r > 1:
-                    a0, a1 = allreduce_affine(problem, g, r)
+                    a0, a1 = problem.allreduce_affine(g, r)
                     cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.params * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
 
     def _message(self, t: int, source: int, dest: int, replicas: int) -> int:

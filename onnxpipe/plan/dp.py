@@ -20,7 +20,7 @@ from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.layout import Layout
 from onnxpipe.plan.problem import Problem, held, in_flight
 
-__all__ = ["Intervals", "intervals", "solve_dp", "allreduce_affine", "out_links"]
+__all__ = ["Intervals", "intervals", "solve_dp", "out_links"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,14 +57,6 @@ def intervals(blocks: Blocks) -> Intervals:
         return np.cumsum(np.cumsum(m, axis=0), axis=1)[: nb + 1, : nb + 1]
 
     return Intervals(done(in_b), done(in_c), done(stash), done(out_b), done(out_c))
-
-
-def allreduce_affine(problem: Problem, group: int, replicas: int) -> tuple[float, float]:
-    """(seconds, seconds per byte) of an all-reduce over `replicas` devices of a group."""
-    devices = problem.group_devices[group][:replicas]
-    one = problem.target.allreduce_seconds(devices, 1.0)
-    slope = problem.target.allreduce_seconds(devices, 2.0) - one
-    return one - slope, slope
 
 
 def out_links(problem: Problem, group: int) -> tuple[float, float]:
@@ -170,7 +162,7 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
             comm = table.in_count * problem.latency[gp, g] + table.in_bytes / (r * problem.bandwidth[gp, g])
         latency, bandwidth = out_links(problem, g)
         comm = comm + table.out_count * latency + table.out_bytes / (r * bandwidth)
-        a0, a1 = allreduce_affine(problem, g, r)
+        a0, a1 = problem.allreduce_affine(g, r)
         allreduce = np.where(params > 0, a0 + a1 * params, 0.0) / problem.microbatches if r > 1 else 0.0
         keep = forward + backward + comm + allreduce
         state = params * (2.0 + problem.optimizer_states)

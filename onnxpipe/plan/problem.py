@@ -96,6 +96,13 @@ class Problem:
             return dataclasses.replace(self, schedule=keep["schedule"], optimizer=keep["optimizer"])
         return build_problem(self.graph, self.costs, self.target, dtype=self.dtype, **keep)  # type: ignore[arg-type]
 
+    def allreduce_affine(self, group: int, replicas: int) -> tuple[float, float]:
+        """(seconds, seconds per byte) of an all-reduce over `replicas` devices of a group."""
+        devices = self.group_devices[group][:replicas]
+        one = self.target.allreduce_seconds(devices, 1.0)
+        slope = self.target.allreduce_seconds(devices, 2.0) - one
+        return one - slope, slope
+
 
 @lru_cache(maxsize=256)
 def in_flight(schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
