@@ -14,12 +14,18 @@ SEND starts a transfer and does not block the sender; RECV blocks until the matc
 arrived. Every directed device pair is one physical link channel: transfers in flight on it share
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
-other links move data in the background (DMA). On a target with `cores`, the F and B of its cpu
+other links move data in the background (DMA). An "shm" link with the workers' CPU per message
+(`send_overhead`, `send_bandwidth`, `recv_overhead`: measured, tools/measure_cpu.py messages) prices
+the copy as the sender's CPU instead: a SEND takes send_overhead + bytes / send_bandwidth on a core
+and the message arrives its latency (the wake-up) later; a RECV whose message has arrived takes
+recv_overhead on a core before the worker's next action. On a target with `cores`, the F and B of its cpu
 devices run on that many cores (less what `background` work takes): a worker that becomes
 runnable takes a free core or waits for one, as the OS assigns them (`_Cores`); with the target's
 `time_slice` (measured), a worker that computes through a slice while others wait goes to the back
 of the queue and the first waiting takes its core (round robin), else it keeps the core until it
-blocks. An action's event spans its wall time, waits between its slices included. While two or more
+blocks. An action's event spans its wall time, waits between its slices included. With the target's
+`switch_cost` (measured), a worker that gets a core another worker held last does that much more work
+(its caches refill). While two or more
 workers compute at once and their working sets (static memory plus one micro-batch's stash each)
 together overflow the target's `shared_cache`, each action runs slower by its stage's
 `corun_slowdown` (the plan's, from the target's `corun_bandwidth`: its weights and their gradients
@@ -295,6 +301,10 @@ class _Links:
         else:
             self.active.setdefault((src, dst), []).append([nbytes, key])
 
+    def land(self, at: float, key: Any) -> None:
+        """A message copied by its sender's CPU (already priced) arrives at `at`."""
+        self.landing.append((at, key))
+
     def next_time(self, now: float) -> float:
         times = [t for t, _ in self.landing]
         for pair, flows in self.active.items():
@@ -333,7 +343,10 @@ class _Cores:
     its core: at the end of a slice during which workers wait, a computing holder goes to the back of
     the queue with the rest of its action and the first waiting worker takes the core (round robin; the
     action's event spans it all, waits included, as the executor times it). Without it, a holder keeps its
-    core until it blocks (the OS for actions shorter than its slices). While other workers compute too
+    core until it blocks (the OS for actions shorter than its slices). Cores have identities: a worker
+    takes the free core it held last, else one nobody has held, else the first free one; when another
+    worker held that core last, its action gets the target's `switch_cost` of extra work (caches and TLB
+    refill). While other workers compute too
     and the computing workers' working sets (static memory plus one micro-batch's stash each) overflow
     the target's `shared_cache`, a worker's action runs 1 + its stage's `corun_slowdown` times slower
     (their weights come from memory, fought over).
@@ -347,7 +360,11 @@ class _Cores:
         self.cores = max(target.cores - background, target.cores / (1 + background))
         self._cache = target.shared_cache
         self._slice = target.time_slice
+        self._switch = target.switch_cost
         self._slots = max(1, math.ceil(self.cores - 1e-9))
+        #: Per core: the worker that held it last (None: nobody yet); per holder: its core.
+        self._last: list[int | None] = [None] * self._slots
+        self._core: dict[int, int] = {}
         #: Per worker (stage-major): whether it computes on the shared cores.
         self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
         #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
@@ -370,14 +387,22 @@ class _Cores:
     def release(self, now: float, worker: int) -> None:
         """The worker blocks: its core goes to the next one waiting."""
         if worker in self._holding and worker not in self.active:
-            del self._holding[worker]
+            self._drop(worker)
             self._assign(now)
+
+    def _drop(self, worker: int) -> None:
+        del self._holding[worker]
+        del self._core[worker]
 
     def _assign(self, now: float) -> None:
         while self._waiting and len(self._holding) < self._slots:
             worker, job = self._waiting.pop(0)
+            free = [c for c in range(self._slots) if c not in self._core.values()]
+            core = next((c for c in free if self._last[c] == worker), next((c for c in free if self._last[c] is None), free[0]))
+            cold = self._last[core] not in (None, worker)
+            self._core[worker], self._last[core] = core, worker
             self._holding[worker] = now
-            self.active[worker] = [job[0], job[1], job[2], now if job[3] is None else job[3]]
+            self.active[worker] = [job[0] + (self._switch if cold else 0.0), job[1], job[2], now if job[3] is None else job[3]]
 
     def _slice_end(self, worker: int, now: float) -> float:
         """The end of the holder's slice running at `now` (the next one when one ends exactly then)."""
@@ -390,7 +415,8 @@ class _Cores:
     def _rates(self) -> dict[int, float]:
         share = min(1.0, self.cores / len(self._holding))
         crowded = len(self.active) > 1 and sum(self._working[w] for w in self.active) > self._cache
-        return {w: share / (1 + self._corun[w]) if crowded else share for w in self.active}
+        # A message's CPU was measured beside a worker reading through memory: no slowdown on top.
+        return {w: share / (1 + self._corun[w]) if crowded and job[1] in ("F", "B") else share for w, job in self.active.items()}
 
     def next_time(self, now: float) -> float:
         if not self.active:
@@ -414,7 +440,7 @@ class _Cores:
         finished = [(w, *self.active.pop(w)[1:]) for w in done]
         waiting = len(self._waiting)
         for _, w in due[:waiting]:
-            del self._holding[w]
+            self._drop(w)
             self._waiting.append((w, self.active.pop(w)))
         self._assign(later)
         return finished
@@ -437,6 +463,8 @@ def _run(
     free_at = [0.0] * n
     #: A sender on a copying ("shm") link waits for its transfer's arrival before its next action.
     blocked_on: list[tuple[str, int, int] | None] = [None] * n
+    #: Per worker: the transfer key of the SEND or RECV whose CPU it is spending (links that charge it).
+    message: list[tuple[str, int, int] | None] = [None] * n
     #: Transfer key ("F"|"B", receiving stage, micro-batch) -> start, arrival.
     started: dict[tuple[str, int, int], float] = {}
     arrived: dict[tuple[str, int, int], float] = {}
@@ -458,9 +486,31 @@ def _run(
     def finish(w: int, op: str, mb: int, start: float, end: float) -> None:
         s, j = places[w]
         free_at[w] = end
+        if op.startswith("SEND"):  # its event spans until arrival, added then
+            key, message[w] = message[w], None
+            links.land(end + target.link(*link_of(key)).latency, key)
+            return
+        if op.startswith("RECV"):
+            key, message[w] = message[w], None
+            events.append(Event(s, "RECV", mb, started[key], end, j))
+            return
         events.append(Event(s, op, mb, start, end, j))
         if op == "B":
             mem(w, end, -costs[s].stash - costs[s].during_backward)
+
+    def link_of(key: tuple[str, int, int]) -> tuple[str, str]:
+        """(sender's device, receiver's device) of a transfer."""
+        kind, receiver, mb = key
+        src, dst = places[owner(receiver - 1 if kind == "F" else receiver + 1, mb)], places[owner(receiver, mb)]
+        return plan.stages[src[0]].devices[src[1]], plan.stages[dst[0]].devices[dst[1]]
+
+    def compute(w: int, work: float, op: str, mb: int) -> None:
+        """Run `work` seconds of the worker's CPU: on the shared cores, or on its own device."""
+        if cores.shared[w]:
+            cores.start(now, w, work, op, mb)
+            free_at[w] = math.inf
+        else:
+            finish(w, op, mb, now, now + work)
 
     while True:
         progressed = True
@@ -481,24 +531,28 @@ def _run(
                         if key not in arrived:
                             waits = True
                             break
-                        events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key], j))
+                        src, dst = link_of(key)
+                        if src != dst and target.link(src, dst).charges_cpu:
+                            message[w] = key
+                            compute(w, target.link(src, dst).recv_overhead, a.op, a.microbatch)
+                        else:
+                            events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key], j))
                     elif a.op in ("SEND_F", "SEND_B"):
                         kind, peer = ("F", s + 1) if a.op == "SEND_F" else ("B", s - 1)
                         key = (kind, peer, a.microbatch)
                         nbytes = c.out_bytes if kind == "F" else costs[peer].out_bytes
                         dst = plan.stages[peer].devices[places[owner(peer, a.microbatch)][1]]
                         started[key] = now
-                        links.start(now, device, dst, nbytes, key)
-                        if device != dst and target.link(device, dst).topology == "shm":
-                            blocked_on[w] = key
+                        if device != dst and target.link(device, dst).charges_cpu:
+                            message[w] = key
+                            compute(w, target.link(device, dst).send_cpu(nbytes), a.op, a.microbatch)
+                        else:
+                            links.start(now, device, dst, nbytes, key)
+                            if device != dst and target.link(device, dst).topology == "shm":
+                                blocked_on[w] = key
                     elif a.op in ("F", "B"):
                         mem(w, now, c.stash if a.op == "F" else c.during_backward)
-                        work = c.forward if a.op == "F" else c.backward
-                        if cores.shared[w]:
-                            cores.start(now, w, work, a.op, a.microbatch)
-                            free_at[w] = math.inf
-                        else:
-                            finish(w, a.op, a.microbatch, now, now + work)
+                        compute(w, c.forward if a.op == "F" else c.backward, a.op, a.microbatch)
                     else:  # STEP
                         at_step.add(w)
                         if any(h not in at_step for h in holders[s]):

@@ -12,6 +12,7 @@ when its count > 1) needs exactly one `[[links]]` entry.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -79,6 +80,22 @@ class Link:
     latency: float
     #: "switch", "ring", "nvlink", "pcie", "ethernet" or "shm".
     topology: str
+    #: "shm" links only, measured: the CPU a sending worker spends per message (send_overhead + bytes /
+    #: send_bandwidth, the copy included) and a receiving worker per message (recv_overhead), each on a
+    #: core before its next action. Set, they replace the sender's wait for bytes / bandwidth, and
+    #: latency is the wake-up between the two. Unset (0, inf, 0): the copy is priced at bandwidth.
+    send_overhead: float = 0.0
+    send_bandwidth: float = math.inf
+    recv_overhead: float = 0.0
+
+    @property
+    def charges_cpu(self) -> bool:
+        """Whether the workers' CPU per message is priced (instead of the copy at `bandwidth`)."""
+        return self.send_overhead > 0 or self.recv_overhead > 0 or math.isfinite(self.send_bandwidth)
+
+    def send_cpu(self, nbytes: float) -> float:
+        """Seconds of the sender's CPU for one message of `nbytes`."""
+        return self.send_overhead + nbytes / self.send_bandwidth
 
 
 @dataclass(frozen=True)
@@ -106,6 +123,9 @@ class Target:
     #: Seconds a cpu worker computes on a shared core before the OS scheduler hands that core to one
     #: waiting for it (measured); 0: a worker keeps its core until it blocks.
     time_slice: float = 0.0
+    #: Extra CPU seconds a cpu worker spends when it gets a shared core that another worker held last (its
+    #: private caches and TLB refill; measured); 0: none.
+    switch_cost: float = 0.0
 
     def device(self, name: str) -> Device:
         """The device of a given instance name."""
@@ -197,11 +217,15 @@ _EXAMPLES = {
     "corun_bandwidth": 'corun_bandwidth = "45 GB/s"',
     "shared_cache": 'shared_cache = "32 MiB"',
     "time_slice": 'time_slice = "4 ms"',
+    "switch_cost": 'switch_cost = "50 us"',
     "default": "default = 0.5",
     "between": 'between = ["u280", "u280"]',
     "bandwidth": 'bandwidth = "12 GB/s"',
     "latency": 'latency = "10 us"',
     "topology": 'topology = "pcie"',
+    "send_overhead": 'send_overhead = "35 us"',
+    "send_bandwidth": 'send_bandwidth = "29 GB/s"',
+    "recv_overhead": 'recv_overhead = "65 us"',
 }
 
 _GROUP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]*$")
@@ -239,7 +263,7 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 
 
 def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
-    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice"), origin, "")
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice", "switch_cost"), origin, "")
     name = _ensure_str(doc, "name", origin, "")
     description = _ensure_str(doc, "description", origin, "")
     profile = doc.get("profile", False)
@@ -269,9 +293,12 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
     if "time_slice" in doc and not cores:
         _fail(origin, "time_slice", "only workers sharing `cores` take turns on them; add cores or remove it")
     time_slice = _ensure_quantity(doc, "time_slice", "time", origin, "") if "time_slice" in doc else 0.0
+    if "switch_cost" in doc and not cores:
+        _fail(origin, "switch_cost", "only workers sharing `cores` take each other's cores; add cores or remove it")
+    switch_cost = _ensure_quantity(doc, "switch_cost", "time", origin, "", allow_zero=True) if "switch_cost" in doc else 0.0
     return Target(
         name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores),
-        time_slice=time_slice, **corun,
+        time_slice=time_slice, switch_cost=switch_cost, **corun,
     )
 
 
@@ -322,7 +349,7 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
 
 
 def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -> Link:
-    _ensure_keys(table, ("between", "bandwidth", "latency", "topology"), (), origin, path)
+    _ensure_keys(table, ("between", "bandwidth", "latency", "topology"), _MESSAGE_CPU, origin, path)
     between = table["between"]
     if not (isinstance(between, list) and len(between) == 2 and all(isinstance(g, str) for g in between)):
         _fail(origin, f"{path}.between", f"expected two device group names, e.g. {_EXAMPLES['between']}, got {between!r}")
@@ -334,7 +361,19 @@ def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -
         bandwidth=_ensure_quantity(table, "bandwidth", "bandwidth", origin, path),
         latency=_ensure_quantity(table, "latency", "time", origin, path, allow_zero=True),
         topology=_ensure_str(table, "topology", origin, path, TOPOLOGIES),
+        **_ensure_message_cpu(table, origin, path),
     )
+
+
+#: Optional "shm" link keys: the workers' CPU per message.
+_MESSAGE_CPU = ("send_overhead", "send_bandwidth", "recv_overhead")
+
+
+def _ensure_message_cpu(table: dict[str, Any], origin: str, path: str) -> dict[str, float]:
+    given = [key for key in _MESSAGE_CPU if key in table]
+    if given and table.get("topology") != "shm":
+        _fail(origin, _key(path, given[0]), "only worker processes copying through shared memory spend CPU per message; set topology = \"shm\" or remove it")
+    return {key: _ensure_quantity(table, key, "bandwidth" if key == "send_bandwidth" else "time", origin, path, allow_zero=key != "send_bandwidth") for key in given}
 
 
 def _ensure_links(links: tuple[Link, ...], counts: Mapping[str, int], origin: str) -> None:

@@ -439,3 +439,68 @@ def test_backward_hands_its_gradients_over_at_the_gradient_bandwidth() -> None:
     sim = simulate(plan, slow)
     assert sim.iteration_seconds == pytest.approx(8.0)
     assert sorted(round(e.end - e.start, 9) for e in sim.events if e.kind in ("F", "B")) == [1.0, 1.0, 3.0, 3.0]
+
+
+def test_a_worker_taking_a_core_another_held_last_pays_the_switch_cost() -> None:
+    # One stage on three replicas (one micro-batch each, F 3 s), switch cost 0.5 s, one core: replica 0
+    # takes the fresh core (no cost), 1 and 2 each take it after another held it: 3 + 3.5 + 3.5 s.
+    base = make_target(3)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1, switch_cost=0.5)
+    plan = make_plan(1, 3, schedule="gpipe", forward=1.0, backward=0.0, devices=(("acc_0", "acc_1", "acc_2"),))
+
+    def forwards(target: Target) -> list[tuple[int, float, float]]:
+        return sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == "F")
+
+    assert forwards(cpus) == [(0, 0.0, 3.0), (1, 3.0, 6.5), (2, 6.5, 10.0)]
+    assert simulate(plan, cpus).iteration_seconds == pytest.approx(10.0)
+    # Two cores: 0 and 1 take one fresh core each; 2 takes replica 0's at 3 s and pays once.
+    assert forwards(replace(cpus, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.5)]
+    # Without the field: today's timeline.
+    assert forwards(replace(cpus, switch_cost=0.0)) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
+    # Slices of 1 s on one core: every turn after the very first is a switch (0.5 s more work), so each later
+    # turn advances its action by 0.5 s net. Replica 0: 1 s, then turns at 3, 6, 9, 12 s leave 1.5, 1, 0.5, 0 s:
+    # done at 13 s; 1 and 2 (3.5 s from their first turns) finish alternating alone at 16 and 17 s.
+    sliced = simulate(plan, replace(cpus, time_slice=1.0)).events
+    assert sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in sliced if e.kind == "F") == [(0, 0.0, 13.0), (1, 1.0, 16.0), (2, 2.0, 17.0)]
+
+
+def test_workers_that_keep_their_own_cores_pay_no_switch_cost() -> None:
+    # GPipe, 2 stages on 2 cores: each worker gets back the core it held last, so the timeline is unchanged.
+    base = make_target(2)
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=2)
+    plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=1.0)
+    same = simulate(plan, cpus)
+    switching = simulate(plan, replace(cpus, switch_cost=0.5))
+    assert switching.iteration_seconds == pytest.approx(same.iteration_seconds)
+    assert [t for e in switching.events for t in (e.start, e.end)] == pytest.approx([t for e in same.events for t in (e.start, e.end)])
+    # On one core they swap it twice: stage 1 takes it at 2 s (F0 1.5 s), keeps it through its last backward,
+    # then stage 0 takes it back (B0 1.5 s): 8 s + 2 x 0.5 s.
+    one = simulate(plan, replace(cpus, cores=1, switch_cost=0.5))
+    timeline = sorted((e.stage, e.kind, e.microbatch, e.start, e.end) for e in one.events if e.kind in ("F", "B"))
+    assert timeline == [(0, "B", 0, 6.5, 8.0), (0, "B", 1, 8.0, 9.0), (0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.0, 2.0),
+                        (1, "B", 0, 4.5, 5.5), (1, "B", 1, 5.5, 6.5), (1, "F", 0, 2.0, 3.5), (1, "F", 1, 3.5, 4.5)]
+    assert one.iteration_seconds == pytest.approx(9.0)
+
+
+def test_shm_workers_spend_their_measured_cpu_per_message() -> None:
+    # Two cpu stages, gpipe, F 1 s, no backward, 1 GB per hop over an shm link (1 GB/s, latency 0.25 s).
+    # Sender CPU 0.5 s + 1 GB / 1 GB/s = 1.5 s, receiver CPU 0.5 s. Two cores: stage 0 runs F0 0-1, sends
+    # 1-2.5 (it does not wait for the arrival), F1 2.5-3.5, sends 3.5-5; mb 0 arrives at 2.75, stage 1
+    # receives it 2.75-3.25 and only then runs F 3.25-4.25; mb 1 arrives at 5.25, received 5.25-5.75.
+    base = make_target(2, bandwidth=1e9, latency=0.25)
+    shm = replace(base.links[0], topology="shm")
+    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=2, links=(shm,))
+    priced = replace(cpus, links=(replace(shm, send_overhead=0.5, send_bandwidth=1e9, recv_overhead=0.5),))
+    plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=1e9)
+
+    def timeline(target: Target, kind: str) -> list[tuple[int, int, float, float]]:
+        return sorted((e.stage, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == kind)
+
+    assert timeline(priced, "F") == [(0, 0, 0.0, 1.0), (0, 1, 2.5, 3.5), (1, 0, 3.25, 4.25), (1, 1, 5.75, 6.75)]
+    # The RECV event spans from its SEND's start to the end of the receiver's CPU.
+    assert [r for r in timeline(priced, "RECV") if r[0] == 1] == [(1, 0, 1.0, 3.25), (1, 1, 3.5, 5.75)]
+    # One core: stage 0 keeps it through both forwards and sends (0-5), stage 1 then receives mb 0 5-5.5,
+    # runs F 5.5-6.5, receives mb 1 (arrived at 5.25) 6.5-7 and runs F 7-8.
+    assert timeline(replace(priced, cores=1), "F") == [(0, 0, 0.0, 1.0), (0, 1, 2.5, 3.5), (1, 0, 5.5, 6.5), (1, 1, 7.0, 8.0)]
+    # Without the fields: the sender waits for its copy at the bandwidth plus the latency, the receiver goes on at once.
+    assert timeline(cpus, "F") == [(0, 0, 0.0, 1.0), (0, 1, 2.25, 3.25), (1, 0, 2.25, 3.25), (1, 1, 4.5, 5.5)]

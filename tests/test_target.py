@@ -154,6 +154,7 @@ BAD = [
     ('name = "tiny"', 'name = "tiny"\ncores = 2', r": cores: only cpu devices share cores"),
     ('name = "tiny"', 'name = "tiny"\ncorun_bandwidth = "45 GB/s"', r": corun_bandwidth: only workers sharing `cores` slow each other down; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny"\ntime_slice = "4 ms"', r": time_slice: only workers sharing `cores` take turns on them; add cores or remove it"),
+    ('name = "tiny"', 'name = "tiny"\nswitch_cost = "50 us"', r": switch_cost: only workers sharing `cores` take each other's cores; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
 
@@ -289,3 +290,44 @@ def test_cli_lists_and_shows_targets(tmp_path: Path) -> None:
     assert "unknown target 'tpu8'" in bad.stderr
     broken = cli("targets", "show", write(tmp_path, GOOD.replace('memory = "16 GiB"', 'memory = "16 GiBs"')))
     assert broken.returncode == 2 and "devices[0].memory: bad unit 'GiBs'" in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_switch_cost_is_optional(tmp_path: Path) -> None:
+    cpu = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
+    assert load_target(write(tmp_path, cpu)).switch_cost == 0.0
+    assert load_target(write(tmp_path, cpu.replace("cores = 2", 'cores = 2\nswitch_cost = "60 us"'))).switch_cost == pytest.approx(60e-6)
+    for extra, message in [('switch_cost = "4 MB"', r": switch_cost: bad unit 'MB'; use "), ('switch_cost = "-1 us"', r": switch_cost: must be zero or more")]:
+        path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
+        with pytest.raises(OnnxpipeError) as info:
+            load_target(path)
+        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+        assert re.search(message, str(info.value)), str(info.value)
+
+
+def test_shm_links_may_price_the_workers_cpu_per_message(tmp_path: Path) -> None:
+    shm = GOOD.replace('topology = "nvlink"', 'topology = "shm"')
+    plain = load_target(write(tmp_path, shm)).links[0]
+    assert not plain.charges_cpu and plain.send_cpu(1e9) == 0.0
+    fields = 'topology = "shm"\nsend_overhead = "35 us"\nsend_bandwidth = "29 GB/s"\nrecv_overhead = "65 us"'
+    link = load_target(write(tmp_path, GOOD.replace('topology = "nvlink"', fields))).links[0]
+    assert link.charges_cpu
+    assert (link.send_overhead, link.send_bandwidth, link.recv_overhead) == pytest.approx((35e-6, 29e9, 65e-6))
+    assert link.send_cpu(29e6) == pytest.approx(1035e-6)
+    for text, message in [
+        (GOOD.replace('topology = "nvlink"', 'topology = "nvlink"\nrecv_overhead = "65 us"'),
+         r": links\[0\]\.recv_overhead: only worker processes copying through shared memory spend CPU per message; set topology = \"shm\" or remove it"),
+        (shm.replace('topology = "shm"', 'topology = "shm"\nsend_bandwidth = "0 GB/s"'), r": links\[0\]\.send_bandwidth: must be positive"),
+        (shm.replace('topology = "shm"', 'topology = "shm"\nsend_overhead = "-1 us"'), r": links\[0\]\.send_overhead: "),
+        (shm.replace('topology = "shm"', 'topology = "shm"\nrecv_overhead = "65 GB/s"'), r": links\[0\]\.recv_overhead: bad unit"),
+    ]:
+        path = write(tmp_path, text)
+        with pytest.raises(OnnxpipeError) as info:
+            load_target(path)
+        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+        assert re.search(message, str(info.value)), str(info.value)
+
+
+def test_cpu_targets_price_the_measured_cpu_per_message() -> None:
+    for name in ("cpu2", "cpu4"):
+        link = load_target(name).links[0]
+        assert link.topology == "shm" and link.charges_cpu and link.recv_overhead > 0

@@ -6,11 +6,14 @@ of one forward and one backward action of the executor's `StageRunner` alone and
 processes (`action_overhead`), the driver's share of a step (`step_overhead`), what a backward action costs beyond its profile per byte of
 gradients it returns and sums (`gradient_bandwidth`), and how much slower a node
 runs while another worker computes beside it (`corun_bandwidth`: when two working sets overflow the shared
-cache, nodes lose time in proportion to the weight bytes they read), and the time slice the scheduler gives a
-busy process while more are runnable than cores (`time_slice`).
+cache, nodes lose time in proportion to the weight bytes they read), the time slice the scheduler gives a
+busy process while more are runnable than cores (`time_slice`), the CPU a worker loses each time it gets a core
+back after other workers ran (`switch_cost`: its caches and TLB refill), and the CPU a worker spends per message it
+sends and receives through `ShmTransport` by message bytes (the shm link's `send_overhead`, `send_bandwidth`,
+`recv_overhead`).
 
-Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun|slice]   (a part alone: `gradient_bandwidth`; the co-run
-slowdowns and `cores`; `time_slice`)
+Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun|slice|switch|messages]   (a part alone: `gradient_bandwidth`;
+the co-run slowdowns and `cores`; `time_slice`; `switch_cost`; the CPU per message)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 
 os.environ["OPENBLAS_NUM_THREADS"] = "1"  # one worker process = one thread; set before numpy loads BLAS
 
+import math
 import statistics
 import sys
 import time
@@ -194,6 +198,102 @@ def transport_handoff_seconds(repeat: int = 200) -> dict[int, float]:
         transport.close()
         sweep_segments(prefix)
     return out
+
+
+MESSAGE_SIZES = (64 * 1024, 256 * 1024, 2**20, 4 * 2**20, 8 * 2**20)
+
+
+def _scrub(buffer: np.ndarray, data: np.ndarray) -> None:
+    """What a worker does between hand-offs, untimed: an F or B reading its weights evicts the caches
+    (buffer: twice the shared cache), then writes the output it sends next."""
+    buffer.sum()
+    data.fill(1)
+
+
+def _message_peer(prefix: str, inboxes: list, me: int, sizes: tuple[int, ...], repeat: int, conn: Connection) -> None:
+    """Ping-pong of `repeat` messages per size through ShmTransport, each side timing its own thread CPU in send
+    and in recv (the recv waits for a peer still scrubbing, as a worker's RECV usually does); sends back the times."""
+    transport = ShmTransport(prefix, inboxes, me)
+    buffer = np.ones(2**24, np.float32)
+    out: dict[int, tuple[list[float], list[float]]] = {}
+    try:
+        for n in sizes:
+            data = np.ones(n, np.uint8)
+            sends: list[float] = []
+            recvs: list[float] = []
+            for i in range(repeat):
+                for turn in (0, 1):
+                    mb = i % 8  # one slot per micro-batch, reused every step as in the executor
+                    if turn == me:
+                        _scrub(buffer, data)
+                        cpu = time.thread_time()
+                        transport.send(1 - me, f"m{n}", mb, data)
+                        sends.append(time.thread_time() - cpu)
+                    else:
+                        cpu = time.thread_time()
+                        transport.recv(f"m{n}", mb)
+                        recvs.append(time.thread_time() - cpu)
+            out[n] = (sends, recvs)
+        conn.send(out)
+    finally:
+        transport.close()
+
+
+def _read_loop(conn: Connection) -> None:
+    """A worker computing on the other core: read through memory until told to stop."""
+    buffer = np.ones(2**24, np.float32)
+    while not conn.poll():
+        buffer.sum()
+
+
+def message_cpu_seconds(beside: int, repeat: int = 200) -> dict[int, tuple[float, float]]:
+    """Median thread CPU per SEND and per RECV (the worker's side of a hop) by message bytes, through the
+    executor's ShmTransport between two processes that evict the caches between messages as F/B do,
+    with `beside` other processes reading through memory meanwhile (workers computing on the other core)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    prefix = f"onnxpipe_measure_{os.getpid()}_"
+    inboxes = make_inboxes(ctx, 2)
+    pipes = [ctx.Pipe() for _ in range(2)]
+    peers = [ctx.Process(target=_message_peer, args=(prefix, inboxes, me, MESSAGE_SIZES, repeat, pipes[me][1])) for me in range(2)]
+    stops = [ctx.Pipe() for _ in range(beside)]
+    readers = [ctx.Process(target=_read_loop, args=(stop[0],)) for stop in stops]
+    try:
+        for p in readers + peers:
+            p.start()
+        results = [pipes[me][0].recv() for me in range(2)]
+        for p in peers:
+            p.join()
+    finally:
+        for stop in stops:
+            stop[1].send(None)
+        for p in readers:
+            p.join()
+        sweep_segments(prefix)
+    skip = repeat // 10
+    return {
+        n: (statistics.median(x for r in results for x in r[n][0][skip:]), statistics.median(x for r in results for x in r[n][1][skip:]))
+        for n in MESSAGE_SIZES
+    }
+
+
+def fit_per_byte(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares fixed seconds + bytes / rate through (bytes, seconds); rate inf when the cost does not grow."""
+    xs, ys = np.array(list(points), float), np.array(list(points.values()))
+    slope, fixed = np.polyfit(xs, ys, 1)
+    return float(fixed), float(1 / slope) if slope > 0 else math.inf
+
+
+def report_messages() -> None:
+    for beside in (0, 1):
+        points = message_cpu_seconds(beside)
+        print(f"ShmTransport messages, caches evicted between, {beside} process reading memory beside:")
+        for n, (send, recv) in points.items():
+            print(f"  {n / 1024:.0f} KiB: thread CPU per send {send * 1e6:.1f} us, per recv {recv * 1e6:.1f} us")
+        for side, k in (("send", 0), ("recv", 1)):
+            fixed, rate = fit_per_byte({n: v[k] for n, v in points.items()})
+            print(f"  {side} CPU = {fixed * 1e6:.1f} us + bytes / {rate / 1e9:.1f} GB/s (shm link {side}_overhead, {side}_bandwidth)")
 
 
 def pipeline_overheads(stages: int, steps: int = 40) -> tuple[float, float, float]:
@@ -435,7 +535,87 @@ def report_slices() -> None:
               f"{statistics.median(gaps) * 1e3:.2f} ms (time_slice)")
 
 
-PARTS = ("all", "gradients", "corun", "slice")
+#: Chains the `switch` part passes turns between: working sets of 2.3, 4.3 and 8.5 MiB (four of the first two fit
+#: the shared cache together; four of the last do not, two do).
+SWITCH_CHAINS = (("MatMul", 32, 256, 8), ("MatMul", 32, 512, 4), ("MatMul", 32, 512, 8))
+
+
+def _turns(conn: Connection, chain: tuple[str, int, int, int], seconds: float) -> None:
+    """Run the chain for about `seconds` per turn each time a token comes (None stops); answer the turn's
+    thread CPU seconds."""
+    session = cpu_session(_chain_model(*chain), threads=1)
+    feed = {"x": np.random.rand(chain[1], chain[2]).astype(np.float32)}
+    runs = max(1, round(seconds / _median_seconds(lambda: session.run(None, feed), 9)))
+    conn.send("ready")
+    while conn.recv() is not None:
+        start = time.thread_time()
+        for _ in range(runs):
+            session.run(None, feed)
+        conn.send(time.thread_time() - start)
+
+
+def _pass_turns(conns: list[Connection], order: list[int], tokens: int) -> list[float]:
+    """Give turns to the workers in `order`, `tokens` of them computing at once (each next turn goes out
+    as one ends); the CPU seconds of worker 0's turns."""
+    from multiprocessing.connection import wait
+
+    mine: list[float] = []
+    pending = list(order)
+    busy = {}
+    while pending or busy:
+        while pending and len(busy) < tokens and pending[0] not in busy:
+            w = pending.pop(0)
+            conns[w].send(1)
+            busy[w] = conns[w]
+        for conn in wait(list(busy.values())):
+            w = conns.index(conn)
+            seconds = conn.recv()
+            del busy[w]
+            if w == 0:
+                mine.append(seconds)
+    return mine
+
+
+def switch_seconds(chain: tuple[str, int, int, int], processes: int, tokens: int, turns: int = 60, rounds: int = 9,
+                   seconds: float = 2e-3) -> tuple[float, float]:
+    """(thread CPU of worker 0's turn when it runs back to back, the excess per turn when `processes` workers
+    take turns round robin, `tokens` at once, on this machine's cores): between two of its turns the others
+    ran, on its core too, so it starts with their data in its private caches and TLB. Medians; the two ways
+    alternate `rounds` times in the same processes, so a drift of the host hits both alike."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(processes)]
+    procs = [ctx.Process(target=_turns, args=(theirs, chain, seconds)) for _, theirs in pipes]
+    for proc in procs:
+        proc.start()
+    conns = [ours for ours, _ in pipes]
+    for conn in conns:
+        conn.recv()
+    alone: list[float] = []
+    shared: list[float] = []
+    for _ in range(rounds):
+        alone += _pass_turns(conns, [0] * turns, 1)[2:]
+        shared += _pass_turns(conns, list(range(processes)) * turns, tokens)[2:]
+    for conn in conns:
+        conn.send(None)
+    for proc in procs:
+        proc.join()
+    return statistics.median(alone), statistics.median(shared) - statistics.median(alone)
+
+
+def report_switches() -> None:
+    """Print the switch-in cost for cpu4's case (4 workers, 2 computing at once), for one at a time, and for
+    cpu2's (2 workers taking turns)."""
+    for chain in SWITCH_CHAINS:
+        op, rows, width, nodes = chain
+        for processes, tokens in ((4, 2), (2, 2), (4, 1), (2, 1)):
+            alone, excess = switch_seconds(chain, processes, tokens)
+            print(f"switch-in, {op} chain {nodes} x [{rows},{width}] ({working_set(*chain) / 2**20:.1f} MiB), {processes} workers, "
+                  f"{tokens} at once: turn {alone * 1e3:.2f} ms CPU back to back, {excess * 1e6:+.0f} us when taking turns (switch_cost)")
+
+
+PARTS = ("all", "gradients", "corun", "slice", "switch", "messages")
 
 
 def main() -> None:
@@ -464,6 +644,10 @@ def main() -> None:
         print(f"effective cores of 4 one-thread onnxruntime workers side by side: {effective_cores(4):.2f}")
     if part in ("all", "slice"):
         report_slices()
+    if part in ("all", "switch"):
+        report_switches()
+    if part in ("all", "messages"):
+        report_messages()
     if part == "all":
         for k in (2, 4):
             action, step, hop = pipeline_overheads(k)
