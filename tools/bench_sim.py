@@ -63,13 +63,18 @@ NOTE = (
     "their weight bytes / `corun_bandwidth` (105 GB/s: the mean of phases measured at 49-64 GB/s and phases without any "
     "co-run slowdown; the host alternates between them minute to minute). At the smallest zoo sizes "
     "(steps of 0.7-15 ms, bubbles of 40-94%) fixed per-message and wake-up costs dominate and only 16 of 56 runs were "
-    "within 15%. Still low: cpu4 by about 10%, and its busy time (the actions' wall time) by 20-30%: with 4 workers "
+    "within 15%. Each SEND and RECV costs its worker CPU on a core (`send_overhead` + bytes / `send_bandwidth`, "
+    "`recv_overhead`: tools/measure_cpu.py messages, the executor's transport with memory traffic beside it), and on cpu4 "
+    "a worker taking a core another worker held last pays `switch_cost` (55 us: measure_cpu.py switch, 4 workers with "
+    "4.3 MiB working sets taking turns; about 500 us when their working sets together overflow the L3, which is not "
+    "modelled). Still low: cpu4 by about 6-9%, and its busy time (the actions' wall time) by 20-30%: with 4 workers "
     "on 2 vCPUs the OS time-slices actions of several milliseconds, which run-until-blocked core holding does not. "
     "Simulating the measured slice (`time_slice = \"4 ms\"`: tools/measure_cpu.py slice, 3 or 4 busy processes on the 2 "
     "vCPUs run 4.00 ms between preemptions) in a full run of this benchmark (load 0.9-2.6; 62 of 64 within 15%, the 2 beyond beside other work: background 0.5) moved "
     "cpu4's median busy error to +13.9% / +6.7% (gpipe / 1f1b) but left its median error at -6.6% / -10.4% (cpu2, never "
     "more runnable workers than cores: -3.5% / -2.2%); the cpu targets leave it unset. The host's share of the 2 vCPUs drifts: the same "
-    "case measured 20% apart in runs minutes apart, and profiling drifts with it."
+    "case measured 20% apart in runs minutes apart, and profiling drifts with it; without the message and switch costs, "
+    "one of two runs gave 62 of 64 within 15% (cpu4 1f1b mlp -17.2%, resnet-tiny -17.7%); with them, two of two gave 64 of 64."
 )
 
 
