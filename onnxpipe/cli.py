@@ -465,6 +465,7 @@ def train(
     from rich.table import Table
 
     from onnxpipe.fileio import write_json
+    from onnxpipe.train.checkpoint import ensure_checkpoint_dir
     from onnxpipe.train.fit import check, data_source, fit
     from onnxpipe.train.loss import LossSpec
     from onnxpipe.train.pipeline import Pipeline
@@ -479,6 +480,8 @@ def train(
         loss_spec = LossSpec(loss, output, label_name or "labels")
     if resume and not checkpoint_dir:
         raise OnnxpipeError("--resume needs --checkpoint-dir DIR")
+    if checkpoint_dir:
+        ensure_checkpoint_dir(checkpoint_dir)  # before any worker starts
     opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim)) as pipe:

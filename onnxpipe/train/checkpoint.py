@@ -20,7 +20,7 @@ import numpy as np
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path, swap_in
 
-__all__ = ["StageState", "save_checkpoint", "load_checkpoint"]
+__all__ = ["StageState", "ensure_checkpoint_dir", "save_checkpoint", "load_checkpoint"]
 
 #: (parameters, optimizer state) of one stage.
 StageState = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
@@ -42,19 +42,31 @@ def _write_atomic(path: Path, write: Any) -> None:
         os.fsync(f.fileno())
 
 
+def ensure_checkpoint_dir(directory: str | os.PathLike) -> None:
+    """Fail before training starts, not at the first checkpoint, when `directory` cannot take checkpoints."""
+    root = Path(directory)
+    if root.exists() and (not root.is_dir() or any(not _CHECKPOINT_FILE.match(p.name) for p in root.iterdir())):
+        raise OnnxpipeError(f"{root}: holds files other than a checkpoint; give --checkpoint-dir a directory of its own")
+    _fresh_beside(root).rmdir()
+
+
+def _fresh_beside(root: Path) -> Path:
+    """A new empty directory beside `root` (its parents made as needed)."""
+    try:
+        root.absolute().parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.absolute().parent))
+    except OSError as exc:
+        raise OnnxpipeError(f"{root}: cannot write a checkpoint there ({exc.strerror}); choose a writable --checkpoint-dir") from exc
+
+
 def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[StageState], meta: Mapping[str, Any]) -> None:
     """Write a checkpoint after `step` completed steps (the next step trains on batch `step`).
 
     All or nothing: the files go to a fresh directory beside `directory`, which then takes its place;
     an interrupted or failed write leaves the previous checkpoint as it was."""
     root = Path(directory)
-    if root.exists() and (not root.is_dir() or any(not _CHECKPOINT_FILE.match(p.name) for p in root.iterdir())):
-        raise OnnxpipeError(f"{root}: holds files other than a checkpoint; give --checkpoint-dir a directory of its own")
-    try:
-        root.absolute().parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.absolute().parent))
-    except OSError as exc:
-        raise OnnxpipeError(f"{root}: cannot write a checkpoint there ({exc.strerror}); choose a writable --checkpoint-dir") from exc
+    ensure_checkpoint_dir(root)
+    tmp = _fresh_beside(root)
     try:
         entries = []
         for i, (params, opt) in enumerate(states):
