@@ -37,6 +37,16 @@ def make_target(n: int, bandwidth: float = 1e12, latency: float = 0.0) -> Target
     return Target("toy", "toy cluster", devices, (Link(("acc", "acc"), bandwidth, latency, "switch"),), False, "<test>")
 
 
+def on_cpus(target: Target, **fields: object) -> Target:
+    """The target with cpu devices (sharing its `cores`), and other fields changed."""
+    return replace(target, devices=tuple(replace(d, kind="cpu") for d in target.devices), **fields)  # type: ignore[arg-type]
+
+
+def forwards(plan: Plan, target: Target) -> list[tuple[int, float, float]]:
+    """(replica, start, end) of every forward, in order."""
+    return sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == "F")
+
+
 def make_plan(
     k: int,
     m: int,
@@ -295,7 +305,7 @@ def test_cpu_stages_share_the_targets_cores() -> None:
     # GPipe, 2 stages, 2 micro-batches, F 1 s, no backward, one core: at 1 s stage 0's F1 takes the core
     # and stage 1, woken by F0's arrival, waits for it until 2 s (a core is assigned, not time-shared).
     base = make_target(2)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1)
+    cpus = on_cpus(base, cores=1)
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0)
     sim = simulate(plan, cpus)
     assert sim.iteration_seconds == pytest.approx(4.0)
@@ -360,7 +370,7 @@ def test_a_worker_keeps_its_core_until_it_blocks() -> None:
     # its copy (the copies are its own work), and releases it at 4 s when it waits for a gradient; only
     # then can stage 1, woken at 2 s by mb 0's arrival, run its forward.
     base = make_target(2, bandwidth=1e9)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1,
+    cpus = on_cpus(base, cores=1,
                    links=(replace(base.links[0], topology="shm"),))
     sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=1e9), cpus)
     forwards = sorted((e.stage, e.microbatch, e.start) for e in sim.events if e.kind == "F")
@@ -372,24 +382,21 @@ def test_workers_waiting_for_a_core_take_turns_each_time_slice() -> None:
     # round robin 0, 1, 2, 0, 1, 2, 0; a replica blocks at STEP once its F ends, passing the core on.
     # Each F event spans its wall time from when it first ran, the waits between its slices included.
     base = make_target(3)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1, time_slice=1.0)
+    cpus = on_cpus(base, cores=1, time_slice=1.0)
     plan = make_plan(1, 3, schedule="gpipe", forward=1.0, backward=0.0, devices=(("acc_0", "acc_1", "acc_2"),))
 
-    def forwards(target: Target) -> list[tuple[int, float, float]]:
-        return sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == "F")
-
-    assert forwards(cpus) == [(0, 0.0, 7.0), (1, 1.0, 8.0), (2, 2.0, 9.0)]
+    assert forwards(plan, cpus) == [(0, 0.0, 7.0), (1, 1.0, 8.0), (2, 2.0, 9.0)]
     sim = simulate(plan, cpus)
     assert sim.iteration_seconds == pytest.approx(9.0)
     assert sim.replica_busy_seconds == (pytest.approx((7.0, 7.0, 7.0)),)
     # Two cores: 0 and 1 run; at 1 s replica 0 (first to get its core) yields to 2; at 2 s 1 yields to 0,
     # at 3 s 2 yields to 1; 0 and 1 finish at 4 s and 2 ends its last second alone: 5 s instead of 6 s.
-    assert forwards(replace(cpus, cores=2)) == [(0, 0.0, 4.0), (1, 0.0, 4.0), (2, 1.0, 5.0)]
+    assert forwards(plan, replace(cpus, cores=2)) == [(0, 0.0, 4.0), (1, 0.0, 4.0), (2, 1.0, 5.0)]
     assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(5.0)
     # No slice (a target without the field), or one longer than the actions: each holds its core until it blocks.
     for target in (replace(cpus, time_slice=0.0), replace(cpus, time_slice=10.0)):
-        assert forwards(target) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
-        assert forwards(replace(target, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.0)]
+        assert forwards(plan, target) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
+        assert forwards(plan, replace(target, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.0)]
 
 
 def test_a_slice_ending_with_nobody_waiting_starts_the_next() -> None:
@@ -397,7 +404,7 @@ def test_a_slice_ending_with_nobody_waiting_starts_the_next() -> None:
     # 1.5 s, waits for the end of stage 0's second slice (2 s), then they alternate: F1 of stage 0 ends
     # at 4 s (0.5 s done before 2 s, 1 s in 3-4 s), stage 1's F0 at 4.5 s (1 s in 2-3 s, 0.5 s after 4 s).
     base = make_target(2)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1, time_slice=1.0)
+    cpus = on_cpus(base, cores=1, time_slice=1.0)
     sim = simulate(make_plan(2, 2, schedule="gpipe", forward=1.5, backward=0.0), cpus)
     forwards = sorted((e.stage, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in sim.events if e.kind == "F")
     assert forwards == [(0, 0, 0.0, 1.5), (0, 1, 1.5, 4.0), (1, 0, 2.0, 4.5), (1, 1, 4.5, 6.0)]
@@ -406,7 +413,7 @@ def test_a_slice_ending_with_nobody_waiting_starts_the_next() -> None:
 def test_workers_computing_together_slow_by_their_stages_corun_slowdown() -> None:
     # GPipe, 2 stages, 2 micro-batches, F 1 s, two cores: stage 0's F1 and stage 1's F0 overlap from 1 s.
     base = make_target(2)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=2)
+    cpus = on_cpus(base, cores=2)
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0)
 
     def slowed(first: float, second: float) -> Plan:
@@ -445,18 +452,15 @@ def test_a_worker_taking_a_core_another_held_last_pays_the_switch_cost() -> None
     # One stage on three replicas (one micro-batch each, F 3 s), switch cost 0.5 s, one core: replica 0
     # takes the fresh core (no cost), 1 and 2 each take it after another held it: 3 + 3.5 + 3.5 s.
     base = make_target(3)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=1, switch_cost=0.5)
+    cpus = on_cpus(base, cores=1, switch_cost=0.5)
     plan = make_plan(1, 3, schedule="gpipe", forward=1.0, backward=0.0, devices=(("acc_0", "acc_1", "acc_2"),))
 
-    def forwards(target: Target) -> list[tuple[int, float, float]]:
-        return sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == "F")
-
-    assert forwards(cpus) == [(0, 0.0, 3.0), (1, 3.0, 6.5), (2, 6.5, 10.0)]
+    assert forwards(plan, cpus) == [(0, 0.0, 3.0), (1, 3.0, 6.5), (2, 6.5, 10.0)]
     assert simulate(plan, cpus).iteration_seconds == pytest.approx(10.0)
     # Two cores: 0 and 1 take one fresh core each; 2 takes replica 0's at 3 s and pays once.
-    assert forwards(replace(cpus, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.5)]
+    assert forwards(plan, replace(cpus, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.5)]
     # Without the field: today's timeline.
-    assert forwards(replace(cpus, switch_cost=0.0)) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
+    assert forwards(plan, replace(cpus, switch_cost=0.0)) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
     # Slices of 1 s on one core: every turn after the very first is a switch (0.5 s more work), so each later
     # turn advances its action by 0.5 s net. Replica 0: 1 s, then turns at 3, 6, 9, 12 s leave 1.5, 1, 0.5, 0 s:
     # done at 13 s; 1 and 2 (3.5 s from their first turns) finish alternating alone at 16 and 17 s.
@@ -467,7 +471,7 @@ def test_a_worker_taking_a_core_another_held_last_pays_the_switch_cost() -> None
 def test_workers_that_keep_their_own_cores_pay_no_switch_cost() -> None:
     # GPipe, 2 stages on 2 cores: each worker gets back the core it held last, so the timeline is unchanged.
     base = make_target(2)
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=2)
+    cpus = on_cpus(base, cores=2)
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=1.0)
     same = simulate(plan, cpus)
     switching = simulate(plan, replace(cpus, switch_cost=0.5))
@@ -489,7 +493,7 @@ def test_shm_workers_spend_their_measured_cpu_per_message() -> None:
     # receives it 2.75-3.25 and only then runs F 3.25-4.25; mb 1 arrives at 5.25, received 5.25-5.75.
     base = make_target(2, bandwidth=1e9, latency=0.25)
     shm = replace(base.links[0], topology="shm")
-    cpus = replace(base, devices=tuple(replace(d, kind="cpu") for d in base.devices), cores=2, links=(shm,))
+    cpus = on_cpus(base, cores=2, links=(shm,))
     priced = replace(cpus, links=(replace(shm, send_overhead=0.5, send_bandwidth=1e9, recv_overhead=0.5),))
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=1e9)
 

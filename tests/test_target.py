@@ -162,12 +162,7 @@ BAD = [
 @pytest.mark.parametrize(("old", "new", "message"), BAD, ids=[m[:40] for _, _, m in BAD])
 def test_validation_errors(tmp_path: Path, old: str, new: str, message: str) -> None:
     assert old in GOOD
-    path = write(tmp_path, GOOD.replace(old, new, 1))
-    with pytest.raises(OnnxpipeError) as info:
-        load_target(path)
-    text = str(info.value)
-    assert text.startswith(f"{path}: ") and "\n" not in text
-    assert re.search(message, text), text
+    assert_one_line_error(write(tmp_path, GOOD.replace(old, new, 1)), message)
 
 
 def test_cpu_devices_need_threads(tmp_path: Path) -> None:
@@ -185,11 +180,22 @@ def test_action_and_step_overheads_and_gradient_bandwidth_are_optional(tmp_path:
     assert [d.gradient_bandwidth for d in target.devices] == pytest.approx([0.0, 0.0, 9e9])
 
 
+#: A one-device cpu target sharing 2 cores, for the fields only such targets take.
+CPU = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
+
+
+def assert_one_line_error(path: Path, message: str) -> None:
+    """Loading `path` fails with one line naming the file and matching `message`."""
+    with pytest.raises(OnnxpipeError) as info:
+        load_target(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+    assert re.search(message, str(info.value)), str(info.value)
+
+
 def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
-    cpu = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
-    plain = load_target(write(tmp_path, cpu))
+    plain = load_target(write(tmp_path, CPU))
     assert (plain.corun_bandwidth, plain.shared_cache, plain.corun_seconds("f_0", 1e9)) == (0.0, 0.0, 0.0)
-    target = load_target(write(tmp_path, cpu.replace("cores = 2", 'cores = 2\ncorun_bandwidth = "50 GB/s"\nshared_cache = "32 MiB"')))
+    target = load_target(write(tmp_path, CPU.replace("cores = 2", 'cores = 2\ncorun_bandwidth = "50 GB/s"\nshared_cache = "32 MiB"')))
     assert (target.corun_bandwidth, target.shared_cache) == (50e9, 32 * 2**20)
     assert target.corun_seconds("f_0", 1e9) == pytest.approx(0.02)
     assert target.corun_seconds("g_0", 1e9) == 0.0  # a gpu does not share the host's cores
@@ -199,23 +205,19 @@ def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
         ('shared_cache = "32 MiB"', r": shared_cache: only used with corun_bandwidth; add e\.g\. corun_bandwidth = \"45 GB/s\" or remove it"),
         ('corun_bandwidth = "50 GB/s"\nshared_cache = "-1 MiB"', r": shared_cache: must be zero or more"),
     ]:
-        path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
-        with pytest.raises(OnnxpipeError) as info:
-            load_target(path)
-        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
-        assert re.search(message, str(info.value)), str(info.value)
+        path = write(tmp_path, CPU.replace("cores = 2", f"cores = 2\n{extra}"))
+        assert_one_line_error(path, message)
 
 
-def test_time_slice_is_optional(tmp_path: Path) -> None:
-    cpu = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
-    assert load_target(write(tmp_path, cpu)).time_slice == 0.0
-    assert load_target(write(tmp_path, cpu.replace("cores = 2", 'cores = 2\ntime_slice = "4 ms"'))).time_slice == pytest.approx(4e-3)
-    for extra, message in [('time_slice = "4 MB"', r": time_slice: bad unit 'MB'; use "), ('time_slice = "0 ms"', r": time_slice: must be positive")]:
-        path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
-        with pytest.raises(OnnxpipeError) as info:
-            load_target(path)
-        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
-        assert re.search(message, str(info.value)), str(info.value)
+@pytest.mark.parametrize(("field", "value", "seconds", "bad", "rule"), [
+    ("time_slice", "4 ms", 4e-3, "0 ms", "must be positive"),
+    ("switch_cost", "60 us", 60e-6, "-1 us", "must be zero or more"),
+])
+def test_scheduler_durations_are_optional(tmp_path: Path, field: str, value: str, seconds: float, bad: str, rule: str) -> None:
+    assert getattr(load_target(write(tmp_path, CPU)), field) == 0.0
+    assert getattr(load_target(write(tmp_path, CPU.replace("cores = 2", f'cores = 2\n{field} = "{value}"'))), field) == pytest.approx(seconds)
+    for text, message in [("4 MB", rf": {field}: bad unit 'MB'; use "), (bad, rf": {field}: {rule}")]:
+        assert_one_line_error(write(tmp_path, CPU.replace("cores = 2", f'cores = 2\n{field} = "{text}"')), message)
 
 
 def test_unknown_name_and_missing_file(tmp_path: Path) -> None:
@@ -292,18 +294,6 @@ def test_cli_lists_and_shows_targets(tmp_path: Path) -> None:
     assert broken.returncode == 2 and "devices[0].memory: bad unit 'GiBs'" in broken.stderr and "Traceback" not in broken.stderr
 
 
-def test_switch_cost_is_optional(tmp_path: Path) -> None:
-    cpu = GOOD.replace('kind = "fpga"', 'kind = "cpu"').replace("op_overhead = 0", "op_overhead = 0\nthreads = 1").replace('name = "tiny"', 'name = "tiny"\ncores = 2')
-    assert load_target(write(tmp_path, cpu)).switch_cost == 0.0
-    assert load_target(write(tmp_path, cpu.replace("cores = 2", 'cores = 2\nswitch_cost = "60 us"'))).switch_cost == pytest.approx(60e-6)
-    for extra, message in [('switch_cost = "4 MB"', r": switch_cost: bad unit 'MB'; use "), ('switch_cost = "-1 us"', r": switch_cost: must be zero or more")]:
-        path = write(tmp_path, cpu.replace("cores = 2", f"cores = 2\n{extra}"))
-        with pytest.raises(OnnxpipeError) as info:
-            load_target(path)
-        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
-        assert re.search(message, str(info.value)), str(info.value)
-
-
 def test_shm_links_may_price_the_workers_cpu_per_message(tmp_path: Path) -> None:
     shm = GOOD.replace('topology = "nvlink"', 'topology = "shm"')
     plain = load_target(write(tmp_path, shm)).links[0]
@@ -321,10 +311,7 @@ def test_shm_links_may_price_the_workers_cpu_per_message(tmp_path: Path) -> None
         (shm.replace('topology = "shm"', 'topology = "shm"\nrecv_overhead = "65 GB/s"'), r": links\[0\]\.recv_overhead: bad unit"),
     ]:
         path = write(tmp_path, text)
-        with pytest.raises(OnnxpipeError) as info:
-            load_target(path)
-        assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
-        assert re.search(message, str(info.value)), str(info.value)
+        assert_one_line_error(path, message)
 
 
 def test_cpu_targets_price_the_measured_cpu_per_message() -> None:
