@@ -6,6 +6,7 @@ chain bound (`onnxpipe.plan.chainbound`) adds both, with the all-reduce of repli
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,20 @@ class LowerBound:
         return self.memory_bytes <= self.capacity_bytes
 
 
+#: Bounds already found per problem: every plan `evaluate` prices carries one, and exploration prices
+#: many plans of one problem and stage count (the chain bound's DP is the costly part).
+_KNOWN: weakref.WeakKeyDictionary[Problem, dict[tuple[int, bool], LowerBound]] = weakref.WeakKeyDictionary()
+
+
 def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBound:
     """Bounds for plans of `stages` stages (replicated stages may use every device when `replicas`)."""
+    known = _KNOWN.setdefault(problem, {})
+    if (stages, replicas) not in known:
+        known[stages, replicas] = _lower_bound(problem, stages, replicas)
+    return known[stages, replicas]
+
+
+def _lower_bound(problem: Problem, stages: int, replicas: bool) -> LowerBound:
     work = problem.forward + problem.backward
     counts = np.array([len(d) for d in problem.group_devices])
     usable = problem.device_count if replicas else stages
