@@ -62,7 +62,8 @@ from typing import Any
 from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.result import Plan, StagePlan
-from onnxpipe.target import Target, load_target
+from onnxpipe.pricing.timemodel import allreduce_seconds, message_cpu
+from onnxpipe.target import HostModel, Target, load_target
 
 __all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "read_plan", "plan_target", "stash_bytes"]
 
@@ -267,8 +268,8 @@ def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageC
         out_bytes=stage.comm_out_bytes * scale,
         stash=stash * scale,
         during_backward=during * scale,
-        allreduce=target.allreduce_seconds(stage.devices, stage.memory.gradients)
-        + target.allreduce_seconds(tuple(d for s in sorted({stage.index, *stage.tied}) for d in plan.stages[s].devices), stage.tied_bytes),
+        allreduce=allreduce_seconds(target, stage.devices, stage.memory.gradients)
+        + allreduce_seconds(target, tuple(d for s in sorted({stage.index, *stage.tied}) for d in plan.stages[s].devices), stage.tied_bytes),
         step=step_bytes / bandwidth,
     )
 
@@ -357,16 +358,17 @@ class _Cores:
     available = max(cores - background, cores / (1 + background))."""
 
     def __init__(self, plan: Plan, target: Target, costs: tuple[_StageCost, ...], background: float) -> None:
-        self.cores = max(target.cores - background, target.cores / (1 + background))
-        self._cache = target.shared_cache
-        self._slice = target.time_slice
-        self._switch = target.switch_cost
+        host = target.host or HostModel()
+        self.cores = max(host.cores - background, host.cores / (1 + background))
+        self._cache = host.shared_cache
+        self._slice = host.time_slice
+        self._switch = host.switch_cost
         self._slots = max(1, math.ceil(self.cores - 1e-9))
         #: Per core: the worker that held it last (None: nobody yet); per holder: its core.
         self._last: list[int | None] = [None] * self._slots
         self._core: dict[int, int] = {}
         #: Per worker (stage-major): whether it computes on the shared cores.
-        self.shared = tuple(target.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
+        self.shared = tuple(host.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
         #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
         self._corun = tuple(st.corun_slowdown for st in plan.stages for _ in st.devices)
         self._working = tuple(_static_bytes(st) + costs[s].stash for s, st in enumerate(plan.stages) for _ in st.devices)
@@ -532,9 +534,10 @@ def _run(
                             waits = True
                             break
                         src, dst = link_of(key)
-                        if src != dst and target.link(src, dst).charges_cpu:
+                        cpu = message_cpu(target, src, dst)
+                        if cpu is not None:
                             message[w] = key
-                            compute(w, target.link(src, dst).recv_overhead, a.op, a.microbatch)
+                            compute(w, cpu.recv_overhead, a.op, a.microbatch)
                         else:
                             events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key], j))
                     elif a.op in ("SEND_F", "SEND_B"):
@@ -543,9 +546,10 @@ def _run(
                         nbytes = c.out_bytes if kind == "F" else costs[peer].out_bytes
                         dst = plan.stages[peer].devices[places[owner(peer, a.microbatch)][1]]
                         started[key] = now
-                        if device != dst and target.link(device, dst).charges_cpu:
+                        cpu = message_cpu(target, device, dst)
+                        if cpu is not None:
                             message[w] = key
-                            compute(w, target.link(device, dst).send_cpu(nbytes), a.op, a.microbatch)
+                            compute(w, cpu.send_seconds(nbytes), a.op, a.microbatch)
                         else:
                             links.start(now, device, dst, nbytes, key)
                             if device != dst and target.link(device, dst).topology == "shm":

@@ -1,8 +1,9 @@
-"""Cluster descriptions: devices, links, and the time model (roofline per node, latency + bytes/bandwidth per transfer).
+"""Cluster descriptions: devices, links, and for cpu worker processes sharing one host, its host model;
+read from TOML and validated. How long things take on them is `onnxpipe.pricing.timemodel`.
 
-Reading order: the dataclasses `Device`, `Link`, `Target` (with the time model), then
+Reading order: the dataclasses `Device`, `Link`, `MessageCpu`, `HostModel`, `Target`, then
 `load_target` (public entry) -> `_read_toml` -> `_parse_target` -> `_parse_device` /
-`_parse_link` -> `_ensure_links`, and the small `_ensure_*` validators at the end.
+`_parse_link` -> `_ensure_links` -> `_parse_host`, and the small `_ensure_*` validators at the end.
 
 Device instances are expanded from each `[[devices]]` group by its `count` and named
 `f"{group}_{i}"`, i = 0..count-1 in file order: group "u280" with count 4 gives
@@ -16,16 +17,16 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
-from onnxpipe.cost import OP_CLASSES, NodeCost
+from onnxpipe.cost import OP_CLASSES
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.units import UnitError, parse_quantity
 
-__all__ = ["Device", "Link", "Target", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
+__all__ = ["Device", "Link", "MessageCpu", "HostModel", "Target", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
 
 #: Device kinds a target may hold.
 DEVICE_KINDS = ("gpu", "fpga", "cpu")
@@ -80,22 +81,50 @@ class Link:
     latency: float
     #: "switch", "ring", "nvlink", "pcie", "ethernet" or "shm".
     topology: str
-    #: "shm" links only, measured: the CPU a sending worker spends per message (send_overhead + bytes /
-    #: send_bandwidth, the copy included) and a receiving worker per message (recv_overhead), each on a
-    #: core before its next action. Set, they replace the sender's wait for bytes / bandwidth, and
-    #: latency is the wake-up between the two. Unset (0, inf, 0): the copy is priced at bandwidth.
+
+
+@dataclass(frozen=True)
+class MessageCpu:
+    """The CPU worker processes spend per message on an "shm" link (measured): the sender's send_overhead +
+    bytes / send_bandwidth (the copy included) and the receiver's recv_overhead, each on a core before its
+    next action. They replace the sender's wait for bytes / bandwidth; the link's latency is the wake-up."""
+
     send_overhead: float = 0.0
     send_bandwidth: float = math.inf
     recv_overhead: float = 0.0
 
-    @property
-    def charges_cpu(self) -> bool:
-        """Whether the workers' CPU per message is priced (instead of the copy at `bandwidth`)."""
-        return self.send_overhead > 0 or self.recv_overhead > 0 or math.isfinite(self.send_bandwidth)
-
-    def send_cpu(self, nbytes: float) -> float:
+    def send_seconds(self, nbytes: float) -> float:
         """Seconds of the sender's CPU for one message of `nbytes`."""
         return self.send_overhead + nbytes / self.send_bandwidth
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """How cpu worker processes on one host share it: its cores, its last-level cache, the OS scheduler,
+    and the CPU they spend per message. Only targets with cpu workers carry one."""
+
+    #: Cores' worth of throughput the cpu devices (worker processes on one host) share, measured (two
+    #: virtual CPUs need not give two cores); when more of them compute at once, each runs at
+    #: cores / computing of its speed. 0: every device has its own.
+    cores: float = 0.0
+    #: While cpu workers computing at once keep more than `shared_cache` bytes between them (their working
+    #: sets overflow the last-level cache the cores share), a node takes (its weight bytes read and
+    #: written) / corun_bandwidth longer: those bytes come from memory, fought over. 0: no such slowdown.
+    corun_bandwidth: float = 0.0
+    #: Bytes of the cache the cores share (last-level cache).
+    shared_cache: float = 0.0
+    #: Seconds a cpu worker computes on a shared core before the OS scheduler hands that core to one
+    #: waiting for it (measured); 0: a worker keeps its core until it blocks.
+    time_slice: float = 0.0
+    #: Extra CPU seconds a cpu worker spends when it gets a shared core that another worker held last (its
+    #: private caches and TLB refill; measured); 0: none.
+    switch_cost: float = 0.0
+    #: The workers' CPU per message on each "shm" link that gives it, by the link's `between`.
+    messages: Mapping[tuple[str, str], MessageCpu] = field(default_factory=dict)
+
+    def message_cpu(self, link: Link) -> MessageCpu | None:
+        """The CPU per message on a link; None where it is not priced (the copy then runs at its bandwidth)."""
+        return self.messages.get(link.between)
 
 
 @dataclass(frozen=True)
@@ -110,22 +139,8 @@ class Target:
     profile: bool
     #: The file it was read from.
     source: str
-    #: Cores' worth of throughput the cpu devices (worker processes on one host) share, measured (two
-    #: virtual CPUs need not give two cores); when more of them compute at once, each runs at
-    #: cores / computing of its speed. 0: every device has its own.
-    cores: float = 0
-    #: While cpu workers computing at once keep more than `shared_cache` bytes between them (their working
-    #: sets overflow the last-level cache the cores share), a node takes (its weight bytes read and
-    #: written) / corun_bandwidth longer: those bytes come from memory, fought over. 0: no such slowdown.
-    corun_bandwidth: float = 0.0
-    #: Bytes of the cache the cores share (last-level cache).
-    shared_cache: float = 0.0
-    #: Seconds a cpu worker computes on a shared core before the OS scheduler hands that core to one
-    #: waiting for it (measured); 0: a worker keeps its core until it blocks.
-    time_slice: float = 0.0
-    #: Extra CPU seconds a cpu worker spends when it gets a shared core that another worker held last (its
-    #: private caches and TLB refill; measured); 0: none.
-    switch_cost: float = 0.0
+    #: The host model of cpu workers sharing one machine; None for a target without one (accelerators).
+    host: HostModel | None = None
 
     def device(self, name: str) -> Device:
         """The device of a given instance name."""
@@ -157,42 +172,6 @@ class Target:
             if {ga, gb} == set(link.between) or (ga == gb and link.between == (ga, gb)):
                 return link
         raise KeyError(f"no link between {ga} and {gb}")
-
-    def transfer_seconds(self, a: str, b: str, nbytes: float) -> float:
-        """Time to move nbytes from device a to device b; zero on the same device."""
-        if a == b or nbytes <= 0:
-            return 0.0
-        link = self.link(a, b)
-        return link.latency + nbytes / link.bandwidth
-
-    def allreduce_seconds(self, devices: tuple[str, ...], nbytes: float) -> float:
-        """Ring all-reduce of nbytes over the given devices, on their slowest link."""
-        n = len(devices)
-        if n < 2 or nbytes <= 0:
-            return 0.0
-        links = [self.link(devices[i], devices[(i + 1) % n]) for i in range(n)]
-        bandwidth = min(link.bandwidth for link in links)
-        latency = max(link.latency for link in links)
-        return 2 * (n - 1) * (latency + nbytes / n / bandwidth)
-
-    def corun_seconds(self, device: str, weight_bytes: float) -> float:
-        """Extra seconds a node reading and writing `weight_bytes` of weights (and their gradients) takes on
-        `device` while other workers compute beside it with more than `shared_cache` bytes between them."""
-        if not self.corun_bandwidth or self.device(device).kind != "cpu":
-            return 0.0
-        return weight_bytes / self.corun_bandwidth
-
-    def node_seconds(self, device: str, cost: NodeCost, dtype: str = "float32", backward: bool = False) -> float:
-        """Roofline time of one node on a device; measured times win where present on cpu devices."""
-        d = self.device(device)
-        measured = cost.measured_backward_seconds if backward else cost.measured_seconds
-        if measured is not None and d.kind == "cpu":
-            return measured
-        flops = cost.backward_flops if backward else cost.flops
-        nbytes = cost.backward_bytes if backward else cost.bytes_read + cost.bytes_written
-        peak = d.peak_flops.get(dtype) or d.peak_flops["float32"]
-        efficiency = d.efficiency.get(cost.op_class, d.efficiency.get("default", 1.0))
-        return max(flops / (peak * efficiency), nbytes / d.memory_bandwidth) + d.op_overhead
 
 
 _BUNDLED = ("fpga4", "gpu4", "hetero", "cpu2", "cpu4")
@@ -280,10 +259,18 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
             _fail(origin, f"devices[{i}].name", f"group {group!r} appears twice; give each [[devices]] entry its own name")
         counts[group] = count
         devices.extend(Device(**{**device, "name": f"{group}_{k}", "group": group}) for k in range(count))
-    links = tuple(
-        _parse_link(table, origin, f"links[{i}]", counts) for i, table in enumerate(_ensure_table_list(doc, "links", origin))
-    )
+    parsed = [_parse_link(table, origin, f"links[{i}]", counts) for i, table in enumerate(_ensure_table_list(doc, "links", origin))]
+    links = tuple(link for link, _ in parsed)
     _ensure_links(links, counts, origin)
+    messages = {link.between: cpu for link, cpu in parsed if cpu is not None}
+    return Target(
+        name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source,
+        host=_parse_host(doc, devices, messages, origin),
+    )
+
+
+def _parse_host(doc: dict[str, Any], devices: list[Device], messages: dict[tuple[str, str], MessageCpu], origin: str) -> HostModel | None:
+    """The host model from the target's top-level host keys and its links' CPU per message; None when none is given."""
     cores = doc.get("cores", 0)
     if isinstance(cores, bool) or not isinstance(cores, (int, float)) or ("cores" in doc and not cores > 0):
         _fail(origin, "cores", f"expected a positive number (cores' worth of throughput, e.g. 1.8), got {cores!r}")
@@ -296,10 +283,9 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
     if "switch_cost" in doc and not cores:
         _fail(origin, "switch_cost", "only workers sharing `cores` take each other's cores; add cores or remove it")
     switch_cost = _ensure_quantity(doc, "switch_cost", "time", origin, "", allow_zero=True) if "switch_cost" in doc else 0.0
-    return Target(
-        name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source, cores=float(cores),
-        time_slice=time_slice, switch_cost=switch_cost, **corun,
-    )
+    if not cores and not messages:
+        return None
+    return HostModel(cores=float(cores), time_slice=time_slice, switch_cost=switch_cost, messages=messages, **corun)
 
 
 def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, float]:
@@ -348,7 +334,8 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
     return group, count, fields
 
 
-def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -> Link:
+def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -> tuple[Link, MessageCpu | None]:
+    """The link, and the CPU per message its workers spend when the entry gives it."""
     _ensure_keys(table, ("between", "bandwidth", "latency", "topology"), _MESSAGE_CPU, origin, path)
     between = table["between"]
     if not (isinstance(between, list) and len(between) == 2 and all(isinstance(g, str) for g in between)):
@@ -356,13 +343,14 @@ def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -
     for g in between:
         if g not in counts:
             _fail(origin, f"{path}.between", f"unknown device group {g!r}; groups: {', '.join(counts)}")
-    return Link(
+    link = Link(
         between=(between[0], between[1]),
         bandwidth=_ensure_quantity(table, "bandwidth", "bandwidth", origin, path),
         latency=_ensure_quantity(table, "latency", "time", origin, path, allow_zero=True),
         topology=_ensure_str(table, "topology", origin, path, TOPOLOGIES),
-        **_ensure_message_cpu(table, origin, path),
     )
+    cpu = MessageCpu(**_ensure_message_cpu(table, origin, path))
+    return link, (None if cpu == MessageCpu() else cpu)
 
 
 #: Optional "shm" link keys: the workers' CPU per message.

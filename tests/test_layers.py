@@ -14,14 +14,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "onnxpipe"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("onnxpipe.errors", "onnxpipe.units", "onnxpipe.protostream", "onnxpipe.ortutil", "onnxpipe.fileio"),
     ("onnxpipe.graph", "onnxpipe.cost", "onnxpipe.cost_formulas", "onnxpipe.cost_profile", "onnxpipe.target"),
-    ("onnxpipe.schedule", "onnxpipe.simulate"),
+    ("onnxpipe.schedule",),
+    ("onnxpipe.pricing",),
+    ("onnxpipe.simulate",),
     ("onnxpipe.plan",),
     ("onnxpipe.split", "onnxpipe.manifest", "onnxpipe.chain", "onnxpipe.verify", "onnxpipe.report"),
     ("onnxpipe.train",),
     ("onnxpipe",),
     ("onnxpipe.cli", "onnxpipe.__main__"),
 )
-CONTRACTS = {"onnxpipe.plan.result": 2}
+CONTRACTS = {"onnxpipe.plan.result": 4}
 
 
 def layer_of(module: str) -> int:

@@ -387,17 +387,19 @@ def test_corun_slowdown_from_the_stages_weights_and_old_plans_without_it() -> No
     # takes 1 ms (forward read) + 2 ms (backward read and gradient write) longer beside others: +100%.
     from dataclasses import replace
 
+    from onnxpipe.target import HostModel
+
     graph = load(chain_model(2, {}))
     costs = hand_costs(graph, [1e9, 1e9], params=[1e6, 0.0])
     gpus = make_target([("g", 2, 1e12, 1e9)])
-    cpus = replace(gpus, devices=tuple(replace(d, kind="cpu", threads=1) for d in gpus.devices), cores=2.0)
+    cpus = replace(gpus, devices=tuple(replace(d, kind="cpu", threads=1) for d in gpus.devices), host=HostModel(cores=2.0))
     cut = Assignment((("n0",), ("n1",)), (("g0",), ("g1",)), (False, False))
-    for target in (gpus, cpus, replace(gpus, corun_bandwidth=1e9)):
+    for target in (gpus, cpus, replace(gpus, host=HostModel(corun_bandwidth=1e9))):
         assert [s.corun_slowdown for s in evaluate(build_problem(graph, costs, target, batch=2, microbatches=1), cut).stages] == [0.0, 0.0]
-    shared = evaluate(build_problem(graph, costs, replace(cpus, corun_bandwidth=1e9), batch=2, microbatches=1), cut)
+    shared = evaluate(build_problem(graph, costs, replace(cpus, host=HostModel(cores=2.0, corun_bandwidth=1e9)), batch=2, microbatches=1), cut)
     assert [s.corun_slowdown for s in shared.stages] == pytest.approx([1.0, 0.0])
     # Recomputing runs the forward twice: 1 + 1 + 2 ms more on 1 + 1 + 2 ms.
-    again = evaluate(build_problem(graph, costs, replace(cpus, corun_bandwidth=1e9), batch=2, microbatches=1), replace(cut, recompute=(True, False)))
+    again = evaluate(build_problem(graph, costs, replace(cpus, host=HostModel(cores=2.0, corun_bandwidth=1e9)), batch=2, microbatches=1), replace(cut, recompute=(True, False)))
     assert again.stages[0].corun_slowdown == pytest.approx(1.0)
     # The field round-trips, and a plan written before it existed reads as no slowdown.
     assert Plan.from_json(shared.to_json()) == shared

@@ -12,9 +12,10 @@ import pytest
 
 from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.pricing.timemodel import allreduce_seconds
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
 from onnxpipe.simulate import plan_target, simulate
-from onnxpipe.target import Device, Link, Target
+from onnxpipe.target import Device, HostModel, Link, MessageCpu, Target
 from onnxpipe.train.timeline import step_events
 
 GIB = 2.0**30
@@ -37,9 +38,16 @@ def make_target(n: int, bandwidth: float = 1e12, latency: float = 0.0) -> Target
     return Target("toy", "toy cluster", devices, (Link(("acc", "acc"), bandwidth, latency, "switch"),), False, "<test>")
 
 
+def host(target: Target, **fields: object) -> Target:
+    """The target with its host model's fields changed."""
+    return replace(target, host=replace(target.host or HostModel(), **fields))  # type: ignore[arg-type]
+
+
 def on_cpus(target: Target, **fields: object) -> Target:
-    """The target with cpu devices (sharing its `cores`), and other fields changed."""
-    return replace(target, devices=tuple(replace(d, kind="cpu") for d in target.devices), **fields)  # type: ignore[arg-type]
+    """The target with cpu devices (sharing its `cores`), and other fields of the target or its host model changed."""
+    own = {k: v for k, v in fields.items() if k in ("links",)}
+    cpus = replace(target, devices=tuple(replace(d, kind="cpu") for d in target.devices), **own)  # type: ignore[arg-type]
+    return host(cpus, **{k: v for k, v in fields.items() if k not in own})
 
 
 def forwards(plan: Plan, target: Target) -> list[tuple[int, float, float]]:
@@ -139,7 +147,7 @@ def test_replicated_stage_adds_allreduce_before_step() -> None:
     target = make_target(3, bandwidth=1e9)
     devices = (("acc_0", "acc_2"), ("acc_1",))
     a, b = simulate(make_plan(2, 2, devices=devices), target), simulate(make_plan(2, 2, params=1e9, devices=devices), target)
-    allreduce = target.allreduce_seconds(("acc_0", "acc_2"), 1e9)
+    allreduce = allreduce_seconds(target, ("acc_0", "acc_2"), 1e9)
     assert allreduce > 0
     assert b.iteration_seconds == pytest.approx(a.iteration_seconds + allreduce)
     # Both replicas all-reduce together, once the later one reaches its STEP.
@@ -312,13 +320,13 @@ def test_cpu_stages_share_the_targets_cores() -> None:
     forwards = sorted((e.stage, e.microbatch, e.start, e.end) for e in sim.events if e.kind == "F")
     assert forwards == [(0, 0, 0.0, 1.0), (0, 1, 1.0, 2.0), (1, 0, 2.0, 3.0), (1, 1, 3.0, 4.0)]
     # Two cores for two workers, or devices that do not share: no slowdown.
-    assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(3.0)
-    assert simulate(plan, replace(base, cores=1)).iteration_seconds == pytest.approx(3.0)
+    assert simulate(plan, host(cpus, cores=2)).iteration_seconds == pytest.approx(3.0)
+    assert simulate(plan, host(base, cores=1)).iteration_seconds == pytest.approx(3.0)
     # One background process on two cores leaves one: a lone worker runs at full speed, two at half.
-    sim = simulate(plan, replace(cpus, cores=2), background=1.0)
+    sim = simulate(plan, host(cpus, cores=2), background=1.0)
     assert sim.iteration_seconds == pytest.approx(1.0 + 2.0 + 1.0)
     # Three on two cores leave the workers half a core together: every forward at half speed or less.
-    sim = simulate(plan, replace(cpus, cores=2), background=3.0)
+    sim = simulate(plan, host(cpus, cores=2), background=3.0)
     assert sim.iteration_seconds == pytest.approx(2.0 + 4.0 + 2.0)
 
 
@@ -357,7 +365,7 @@ def test_tied_weights_make_their_holders_wait_for_each_other_at_step() -> None:
     plan = make_plan(2, 2)
     tied = replace(plan, stages=(replace(plan.stages[0], tied=(1,), tied_bytes=1e9), replace(plan.stages[1], tied=(0,), tied_bytes=1e9)))
     a, b = simulate(plan, target), simulate(tied, target)
-    exchange = target.allreduce_seconds(("acc_0", "acc_1"), 1e9)
+    exchange = allreduce_seconds(target, ("acc_0", "acc_1"), 1e9)
     last_backward = max(e.end for e in b.events if e.kind == "B" and e.stage == 0)
     steps = {e.stage: e for e in b.events if e.kind == "STEP"}
     assert steps[0].start == steps[1].start == pytest.approx(last_backward + exchange)
@@ -391,12 +399,12 @@ def test_workers_waiting_for_a_core_take_turns_each_time_slice() -> None:
     assert sim.replica_busy_seconds == (pytest.approx((7.0, 7.0, 7.0)),)
     # Two cores: 0 and 1 run; at 1 s replica 0 (first to get its core) yields to 2; at 2 s 1 yields to 0,
     # at 3 s 2 yields to 1; 0 and 1 finish at 4 s and 2 ends its last second alone: 5 s instead of 6 s.
-    assert forwards(plan, replace(cpus, cores=2)) == [(0, 0.0, 4.0), (1, 0.0, 4.0), (2, 1.0, 5.0)]
-    assert simulate(plan, replace(cpus, cores=2)).iteration_seconds == pytest.approx(5.0)
+    assert forwards(plan, host(cpus, cores=2)) == [(0, 0.0, 4.0), (1, 0.0, 4.0), (2, 1.0, 5.0)]
+    assert simulate(plan, host(cpus, cores=2)).iteration_seconds == pytest.approx(5.0)
     # No slice (a target without the field), or one longer than the actions: each holds its core until it blocks.
-    for target in (replace(cpus, time_slice=0.0), replace(cpus, time_slice=10.0)):
+    for target in (host(cpus, time_slice=0.0), host(cpus, time_slice=10.0)):
         assert forwards(plan, target) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
-        assert forwards(plan, replace(target, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.0)]
+        assert forwards(plan, host(target, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.0)]
 
 
 def test_a_slice_ending_with_nobody_waiting_starts_the_next() -> None:
@@ -428,8 +436,8 @@ def test_workers_computing_together_slow_by_their_stages_corun_slowdown() -> Non
     # Only stage 1 slowed: by 2 s it has done 2/3 of F0; the last third runs alone at full speed.
     assert simulate(slowed(0.0, 0.5), cpus).iteration_seconds == pytest.approx(2.0 + 1 / 3 + 1.0)
     # Working sets (100 bytes of stash each) that fit the shared cache together: no slowdown.
-    assert simulate(slowed(0.5, 0.5), replace(cpus, shared_cache=200.0)).iteration_seconds == pytest.approx(3.0)
-    assert simulate(slowed(0.5, 0.5), replace(cpus, shared_cache=199.0)).iteration_seconds == pytest.approx(3.5)
+    assert simulate(slowed(0.5, 0.5), host(cpus, shared_cache=200.0)).iteration_seconds == pytest.approx(3.0)
+    assert simulate(slowed(0.5, 0.5), host(cpus, shared_cache=199.0)).iteration_seconds == pytest.approx(3.5)
     # Devices that do not share cores, or a lone worker: nothing to compete with.
     assert simulate(slowed(0.5, 0.5), base).iteration_seconds == pytest.approx(3.0)
     one = make_plan(1, 4, forward=1.0, backward=2.0)
@@ -458,13 +466,13 @@ def test_a_worker_taking_a_core_another_held_last_pays_the_switch_cost() -> None
     assert forwards(plan, cpus) == [(0, 0.0, 3.0), (1, 3.0, 6.5), (2, 6.5, 10.0)]
     assert simulate(plan, cpus).iteration_seconds == pytest.approx(10.0)
     # Two cores: 0 and 1 take one fresh core each; 2 takes replica 0's at 3 s and pays once.
-    assert forwards(plan, replace(cpus, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.5)]
+    assert forwards(plan, host(cpus, cores=2)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 3.0, 6.5)]
     # Without the field: today's timeline.
-    assert forwards(plan, replace(cpus, switch_cost=0.0)) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
+    assert forwards(plan, host(cpus, switch_cost=0.0)) == [(0, 0.0, 3.0), (1, 3.0, 6.0), (2, 6.0, 9.0)]
     # Slices of 1 s on one core: every turn after the very first is a switch (0.5 s more work), so each later
     # turn advances its action by 0.5 s net. Replica 0: 1 s, then turns at 3, 6, 9, 12 s leave 1.5, 1, 0.5, 0 s:
     # done at 13 s; 1 and 2 (3.5 s from their first turns) finish alternating alone at 16 and 17 s.
-    sliced = simulate(plan, replace(cpus, time_slice=1.0)).events
+    sliced = simulate(plan, host(cpus, time_slice=1.0)).events
     assert sorted((e.replica, round(e.start, 9), round(e.end, 9)) for e in sliced if e.kind == "F") == [(0, 0.0, 13.0), (1, 1.0, 16.0), (2, 2.0, 17.0)]
 
 
@@ -474,12 +482,12 @@ def test_workers_that_keep_their_own_cores_pay_no_switch_cost() -> None:
     cpus = on_cpus(base, cores=2)
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=1.0)
     same = simulate(plan, cpus)
-    switching = simulate(plan, replace(cpus, switch_cost=0.5))
+    switching = simulate(plan, host(cpus, switch_cost=0.5))
     assert switching.iteration_seconds == pytest.approx(same.iteration_seconds)
     assert [t for e in switching.events for t in (e.start, e.end)] == pytest.approx([t for e in same.events for t in (e.start, e.end)])
     # On one core they swap it twice: stage 1 takes it at 2 s (F0 1.5 s), keeps it through its last backward,
     # then stage 0 takes it back (B0 1.5 s): 8 s + 2 x 0.5 s.
-    one = simulate(plan, replace(cpus, cores=1, switch_cost=0.5))
+    one = simulate(plan, host(cpus, cores=1, switch_cost=0.5))
     timeline = sorted((e.stage, e.kind, e.microbatch, e.start, e.end) for e in one.events if e.kind in ("F", "B"))
     assert timeline == [(0, "B", 0, 6.5, 8.0), (0, "B", 1, 8.0, 9.0), (0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.0, 2.0),
                         (1, "B", 0, 4.5, 5.5), (1, "B", 1, 5.5, 6.5), (1, "F", 0, 2.0, 3.5), (1, "F", 1, 3.5, 4.5)]
@@ -494,7 +502,7 @@ def test_shm_workers_spend_their_measured_cpu_per_message() -> None:
     base = make_target(2, bandwidth=1e9, latency=0.25)
     shm = replace(base.links[0], topology="shm")
     cpus = on_cpus(base, cores=2, links=(shm,))
-    priced = replace(cpus, links=(replace(shm, send_overhead=0.5, send_bandwidth=1e9, recv_overhead=0.5),))
+    priced = host(cpus, messages={shm.between: MessageCpu(send_overhead=0.5, send_bandwidth=1e9, recv_overhead=0.5)})
     plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0, comm_bytes=1e9)
 
     def timeline(target: Target, kind: str) -> list[tuple[int, int, float, float]]:
@@ -505,6 +513,6 @@ def test_shm_workers_spend_their_measured_cpu_per_message() -> None:
     assert [r for r in timeline(priced, "RECV") if r[0] == 1] == [(1, 0, 1.0, 3.25), (1, 1, 3.5, 5.75)]
     # One core: stage 0 keeps it through both forwards and sends (0-5), stage 1 then receives mb 0 5-5.5,
     # runs F 5.5-6.5, receives mb 1 (arrived at 5.25) 6.5-7 and runs F 7-8.
-    assert timeline(replace(priced, cores=1), "F") == [(0, 0, 0.0, 1.0), (0, 1, 2.5, 3.5), (1, 0, 5.5, 6.5), (1, 1, 7.0, 8.0)]
+    assert timeline(host(priced, cores=1), "F") == [(0, 0, 0.0, 1.0), (0, 1, 2.5, 3.5), (1, 0, 5.5, 6.5), (1, 1, 7.0, 8.0)]
     # Without the fields: the sender waits for its copy at the bandwidth plus the latency, the receiver goes on at once.
     assert timeline(cpus, "F") == [(0, 0, 0.0, 1.0), (0, 1, 2.25, 3.25), (1, 0, 2.25, 3.25), (1, 1, 4.5, 5.5)]

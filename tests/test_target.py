@@ -12,6 +12,7 @@ import pytest
 
 from onnxpipe.cost import NodeCost
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, message_cpu, node_seconds, transfer_seconds
 from onnxpipe.target import bundled_targets, load_target
 from onnxpipe.units import UnitError, format_bytes, format_flops, format_rate, format_seconds, parse_quantity
 
@@ -77,7 +78,7 @@ def test_bundled_target_loads(name: str) -> None:
     for a in names:
         for b in names:
             if a != b:
-                assert target.transfer_seconds(a, b, 1e6) > 0
+                assert transfer_seconds(target, a, b, 1e6) > 0
 
 
 def test_bundled_figures() -> None:
@@ -194,11 +195,11 @@ def assert_one_line_error(path: Path, message: str) -> None:
 
 def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
     plain = load_target(write(tmp_path, CPU))
-    assert (plain.corun_bandwidth, plain.shared_cache, plain.corun_seconds("f_0", 1e9)) == (0.0, 0.0, 0.0)
+    assert (plain.host.corun_bandwidth, plain.host.shared_cache, corun_seconds(plain, "f_0", 1e9)) == (0.0, 0.0, 0.0)
     target = load_target(write(tmp_path, CPU.replace("cores = 2", 'cores = 2\ncorun_bandwidth = "50 GB/s"\nshared_cache = "32 MiB"')))
-    assert (target.corun_bandwidth, target.shared_cache) == (50e9, 32 * 2**20)
-    assert target.corun_seconds("f_0", 1e9) == pytest.approx(0.02)
-    assert target.corun_seconds("g_0", 1e9) == 0.0  # a gpu does not share the host's cores
+    assert (target.host.corun_bandwidth, target.host.shared_cache) == (50e9, 32 * 2**20)
+    assert corun_seconds(target, "f_0", 1e9) == pytest.approx(0.02)
+    assert corun_seconds(target, "g_0", 1e9) == 0.0  # a gpu does not share the host's cores
     for extra, message in [
         ('corun_bandwidth = "50 GB"', r": corun_bandwidth: bad unit 'GB'; use "),
         ('corun_bandwidth = "0 GB/s"', r": corun_bandwidth: must be positive"),
@@ -214,8 +215,8 @@ def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
     ("switch_cost", "60 us", 60e-6, "-1 us", "must be zero or more"),
 ])
 def test_scheduler_durations_are_optional(tmp_path: Path, field: str, value: str, seconds: float, bad: str, rule: str) -> None:
-    assert getattr(load_target(write(tmp_path, CPU)), field) == 0.0
-    assert getattr(load_target(write(tmp_path, CPU.replace("cores = 2", f'cores = 2\n{field} = "{value}"'))), field) == pytest.approx(seconds)
+    assert getattr(load_target(write(tmp_path, CPU)).host, field) == 0.0
+    assert getattr(load_target(write(tmp_path, CPU.replace("cores = 2", f'cores = 2\n{field} = "{value}"'))).host, field) == pytest.approx(seconds)
     for text, message in [("4 MB", rf": {field}: bad unit 'MB'; use "), (bad, rf": {field}: {rule}")]:
         assert_one_line_error(write(tmp_path, CPU.replace("cores = 2", f'cores = 2\n{field} = "{text}"')), message)
 
@@ -230,36 +231,36 @@ def test_unknown_name_and_missing_file(tmp_path: Path) -> None:
 def test_node_seconds_roofline(tmp_path: Path) -> None:
     target = load_target(write(tmp_path, GOOD))
     # compute-bound matmul on g: 1e12 FLOP / (10 TFLOP/s * 0.5) = 0.2 s; bytes 1e9 / 1 TB/s = 1 ms
-    assert target.node_seconds("g_0", cost(1e12, 1e9)) == pytest.approx(0.2 + 5e-6)
+    assert node_seconds(target.device("g_0"), cost(1e12, 1e9)) == pytest.approx(0.2 + 5e-6)
     # float16 peak used when asked; efficiency default 1.0 for an unlisted class
-    assert target.node_seconds("g_0", cost(1e12, 1e9), dtype="float16") == pytest.approx(1e12 / 20e12 + 5e-6)
-    assert target.node_seconds("g_0", cost(1e12, 1e9, op_class="conv")) == pytest.approx(0.1 + 5e-6)
+    assert node_seconds(target.device("g_0"), cost(1e12, 1e9), dtype="float16") == pytest.approx(1e12 / 20e12 + 5e-6)
+    assert node_seconds(target.device("g_0"), cost(1e12, 1e9, op_class="conv")) == pytest.approx(0.1 + 5e-6)
     # dtype without a peak falls back to float32
-    assert target.node_seconds("g_0", cost(1e12, 1e9), dtype="int8") == pytest.approx(0.2 + 5e-6)
+    assert node_seconds(target.device("g_0"), cost(1e12, 1e9), dtype="int8") == pytest.approx(0.2 + 5e-6)
     # memory-bound elementwise: 1e6 FLOP is nothing next to 4e9 bytes / 1 TB/s = 4 ms
-    assert target.node_seconds("g_0", cost(1e6, 4e9, op_class="elementwise")) == pytest.approx(4e-3 + 5e-6)
+    assert node_seconds(target.device("g_0"), cost(1e6, 4e9, op_class="elementwise")) == pytest.approx(4e-3 + 5e-6)
     # backward uses backward flops/bytes; fpga efficiency default 0.25: 2e12 / (1e12 * 0.25) = 8 s
-    assert target.node_seconds("f_0", cost(1e12, 1e9), backward=True) == pytest.approx(8.0)
+    assert node_seconds(target.device("f_0"), cost(1e12, 1e9), backward=True) == pytest.approx(8.0)
     # measured times are ignored on accelerators, win on cpu
-    assert target.node_seconds("g_0", cost(1e12, 1e9, measured=0.5)) == pytest.approx(0.2 + 5e-6)
+    assert node_seconds(target.device("g_0"), cost(1e12, 1e9, measured=0.5)) == pytest.approx(0.2 + 5e-6)
     cpu = load_target("cpu2")
-    assert cpu.node_seconds("cpu_0", cost(1e12, 1e9, measured=0.5)) == 0.5
-    assert cpu.node_seconds("cpu_0", cost(1e12, 1e9, measured=0.5), backward=True) == 1.0
+    assert node_seconds(cpu.device("cpu_0"), cost(1e12, 1e9, measured=0.5)) == 0.5
+    assert node_seconds(cpu.device("cpu_0"), cost(1e12, 1e9, measured=0.5), backward=True) == 1.0
     d = cpu.device("cpu_0")
-    assert cpu.node_seconds("cpu_0", cost(1e12, 1e9)) == pytest.approx(1e12 / (d.peak_flops["float32"] * d.efficiency["matmul"]) + d.op_overhead)
+    assert node_seconds(cpu.device("cpu_0"), cost(1e12, 1e9)) == pytest.approx(1e12 / (d.peak_flops["float32"] * d.efficiency["matmul"]) + d.op_overhead)
 
 
 def test_transfer_and_allreduce(tmp_path: Path) -> None:
     target = load_target(write(tmp_path, GOOD))
-    assert target.transfer_seconds("g_0", "g_1", 50e6) == pytest.approx(10e-6 + 1e-3)
-    assert target.transfer_seconds("g_1", "f_0", 10e6) == pytest.approx(30e-6 + 1e-3)
-    assert target.transfer_seconds("f_0", "g_0", 10e6) == pytest.approx(30e-6 + 1e-3)
-    assert target.transfer_seconds("g_0", "g_0", 1e9) == 0.0
+    assert transfer_seconds(target, "g_0", "g_1", 50e6) == pytest.approx(10e-6 + 1e-3)
+    assert transfer_seconds(target, "g_1", "f_0", 10e6) == pytest.approx(30e-6 + 1e-3)
+    assert transfer_seconds(target, "f_0", "g_0", 10e6) == pytest.approx(30e-6 + 1e-3)
+    assert transfer_seconds(target, "g_0", "g_0", 1e9) == 0.0
     # ring over the two gpus: 2*(n-1) steps of latency + (bytes/n)/bandwidth
-    assert target.allreduce_seconds(("g_0", "g_1"), 100e6) == pytest.approx(2 * (10e-6 + 50e6 / 50e9))
+    assert allreduce_seconds(target, ("g_0", "g_1"), 100e6) == pytest.approx(2 * (10e-6 + 50e6 / 50e9))
     # the slowest link of the ring sets the pace
-    assert target.allreduce_seconds(("g_0", "g_1", "f_0"), 30e6) == pytest.approx(4 * (30e-6 + 10e6 / 10e9))
-    assert target.allreduce_seconds(("g_0",), 1e9) == 0.0
+    assert allreduce_seconds(target, ("g_0", "g_1", "f_0"), 30e6) == pytest.approx(4 * (30e-6 + 10e6 / 10e9))
+    assert allreduce_seconds(target, ("g_0",), 1e9) == 0.0
 
 
 def test_heterogeneous_link_lookup() -> None:
@@ -269,7 +270,7 @@ def test_heterogeneous_link_lookup() -> None:
     cross = target.link("u280_1", "v100_0")
     assert cross is target.link("v100_0", "u280_1")
     assert cross.bandwidth == 10e9 and cross.latency == pytest.approx(30e-6)
-    assert target.transfer_seconds("v100_0", "v100_1", 1e9) < target.transfer_seconds("v100_0", "u280_0", 1e9)
+    assert transfer_seconds(target, "v100_0", "v100_1", 1e9) < transfer_seconds(target, "v100_0", "u280_0", 1e9)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -296,13 +297,14 @@ def test_cli_lists_and_shows_targets(tmp_path: Path) -> None:
 
 def test_shm_links_may_price_the_workers_cpu_per_message(tmp_path: Path) -> None:
     shm = GOOD.replace('topology = "nvlink"', 'topology = "shm"')
-    plain = load_target(write(tmp_path, shm)).links[0]
-    assert not plain.charges_cpu and plain.send_cpu(1e9) == 0.0
+    plain = load_target(write(tmp_path, shm))
+    assert plain.host is None and message_cpu(plain, "g_0", "g_1") is None
     fields = 'topology = "shm"\nsend_overhead = "35 us"\nsend_bandwidth = "29 GB/s"\nrecv_overhead = "65 us"'
-    link = load_target(write(tmp_path, GOOD.replace('topology = "nvlink"', fields))).links[0]
-    assert link.charges_cpu
-    assert (link.send_overhead, link.send_bandwidth, link.recv_overhead) == pytest.approx((35e-6, 29e9, 65e-6))
-    assert link.send_cpu(29e6) == pytest.approx(1035e-6)
+    priced = load_target(write(tmp_path, GOOD.replace('topology = "nvlink"', fields)))
+    cpu = message_cpu(priced, "g_0", "g_1")
+    assert cpu is not None and message_cpu(priced, "g_0", "g_0") is None
+    assert (cpu.send_overhead, cpu.send_bandwidth, cpu.recv_overhead) == pytest.approx((35e-6, 29e9, 65e-6))
+    assert cpu.send_seconds(29e6) == pytest.approx(1035e-6)
     for text, message in [
         (GOOD.replace('topology = "nvlink"', 'topology = "nvlink"\nrecv_overhead = "65 us"'),
          r": links\[0\]\.recv_overhead: only worker processes copying through shared memory spend CPU per message; set topology = \"shm\" or remove it"),
@@ -316,5 +318,6 @@ def test_shm_links_may_price_the_workers_cpu_per_message(tmp_path: Path) -> None
 
 def test_cpu_targets_price_the_measured_cpu_per_message() -> None:
     for name in ("cpu2", "cpu4"):
-        link = load_target(name).links[0]
-        assert link.topology == "shm" and link.charges_cpu and link.recv_overhead > 0
+        target = load_target(name)
+        cpu = message_cpu(target, "cpu_0", "cpu_1")
+        assert target.links[0].topology == "shm" and cpu is not None and cpu.recv_overhead > 0

@@ -19,7 +19,7 @@ Why it is valid:
    at x, which charges it exactly its own work on g (any split of a segment between two stages on one
    group has the same total work on it); a stage on another group starts at floor(x) + 1, dropping the
    segment where the group changes (charged to nobody). A stage then pays its charged work / r, the
-   all-reduce of the parameters of the whole segments it covers (as `Target.allreduce_seconds`, over
+   all-reduce of the parameters of the whole segments it covers (as `timemodel.allreduce_seconds`, over
    the micro-batches), the least latency of a message into its group when it starts after position 0
    and ends past max(start, 1) (some earlier node is then an ancestor of one of its nodes), and the
    least latency out of its group when it starts before the last segment and ends past its start but

@@ -13,6 +13,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.bounds import lower_bound
+from onnxpipe.pricing.timemodel import allreduce_seconds
 from onnxpipe.plan.problem import Problem, held, in_flight
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
 from onnxpipe.plan.timing import iteration_seconds
@@ -210,7 +211,7 @@ def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, g
         comm_out_seconds=float(comm.out_seconds[s]),
         comm_in_bytes=float(comm.in_bytes[s]),
         comm_out_bytes=float(comm.out_bytes[s]),
-        allreduce_seconds=problem.target.allreduce_seconds(tuple(devices), params),
+        allreduce_seconds=allreduce_seconds(problem.target, tuple(devices), params),
         recompute=recompute,
         memory=memory,
         stash_bytes=float(comm.stash_bytes[s]) if recompute else activations,

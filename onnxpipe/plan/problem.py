@@ -17,6 +17,7 @@ from onnxpipe import schedule as schedules
 from onnxpipe.cost import Costs
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
+from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.target import Target
 
 __all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight", "held"]
@@ -65,7 +66,7 @@ class Problem:
     capacity: np.ndarray
     memory_bandwidth: np.ndarray
     #: (groups, nodes) extra forward and backward seconds per micro-batch while other workers compute on the
-    #: target's shared cores overflowing its shared cache (`Target.corun_seconds` of the node's weights);
+    #: target's shared cores overflowing its shared cache (`timemodel.corun_seconds` of the node's weights);
     #: zeros on targets without `corun_bandwidth`.
     corun_forward: np.ndarray
     corun_backward: np.ndarray
@@ -99,8 +100,8 @@ class Problem:
     def allreduce_affine(self, group: int, replicas: int) -> tuple[float, float]:
         """(seconds, seconds per byte) of an all-reduce over `replicas` devices of a group."""
         devices = self.group_devices[group][:replicas]
-        one = self.target.allreduce_seconds(devices, 1.0)
-        slope = self.target.allreduce_seconds(devices, 2.0) - one
+        one = allreduce_seconds(self.target, devices, 1.0)
+        slope = allreduce_seconds(self.target, devices, 2.0) - one
         return one - slope, slope
 
 
@@ -155,12 +156,12 @@ def build_problem(
         members[d.group].append(d.name)
     node_costs = [costs.nodes[n] for n in nodes]
     scaled = [_scaled(c, scale) for c in node_costs]
-    forward = np.array([[target.node_seconds(members[g][0], c, dtype) for c in scaled] for g in groups], dtype=float).reshape(len(groups), len(nodes))
+    forward = np.array([[node_seconds(target.device(members[g][0]), c, dtype) for c in scaled] for g in groups], dtype=float).reshape(len(groups), len(nodes))
     backward = np.array(
-        [[target.node_seconds(members[g][0], c, dtype, backward=True) for c in scaled] for g in groups], dtype=float
+        [[node_seconds(target.device(members[g][0]), c, dtype, backward=True) for c in scaled] for g in groups], dtype=float
     ).reshape(len(groups), len(nodes))
     # Weights whole at any micro-batch size: read in forward; read again and their gradient written in backward.
-    corun_forward = np.array([[target.corun_seconds(members[g][0], c.param_bytes) for c in node_costs] for g in groups], dtype=float).reshape(
+    corun_forward = np.array([[corun_seconds(target, members[g][0], c.param_bytes) for c in node_costs] for g in groups], dtype=float).reshape(
         len(groups), len(nodes))
     params = np.array([c.param_bytes for c in node_costs], dtype=float)
     activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
