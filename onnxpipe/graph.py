@@ -180,6 +180,8 @@ def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
         raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
     try:
         model = read_model(path)
+    except OnnxpipeError:
+        raise
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         raise OnnxpipeError(
             f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete"

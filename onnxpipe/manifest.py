@@ -181,16 +181,22 @@ def _ensure_stage_file(stage: Stage, directory: Path, fail: Callable[[str], None
     from onnx import helper
 
     from onnxpipe.protostream import read_header
+    from onnxpipe.safepath import ensure_external_data_inside, inside
 
-    path = directory / stage.file
+    fix = "stage directories name only files inside themselves, rewrite it with `onnxpipe split`"
+    path = inside(directory, stage.file, f"{directory / 'manifest.json'}: stage {stage.index} file", fix)
     if not path.is_file():
         fail(f"stage {stage.index} file {stage.file} is missing")
-    if stage.data_file and not (directory / stage.data_file).is_file():
-        fail(f"stage {stage.index} weights file {stage.data_file} is missing")
+    if stage.data_file is not None:
+        data_file = inside(directory, stage.data_file, f"{directory / 'manifest.json'}: stage {stage.index} weights file", fix)
+        if not data_file.is_file():
+            fail(f"stage {stage.index} weights file {stage.data_file} is missing")
     try:
-        graph = read_header(path).graph
+        header = read_header(path)
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         fail(f"stage {stage.index} file {stage.file} is not a readable ONNX model ({type(exc).__name__})")
+    ensure_external_data_inside(path, header, fix)
+    graph = header.graph
     declared = {vi.name: vi for vi in [*graph.input, *graph.output]}
     initializers = {t.name for t in graph.initializer}
     for kind, specs, names in (("input", stage.inputs, [vi.name for vi in graph.input if vi.name not in initializers]),

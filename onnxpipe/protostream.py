@@ -6,7 +6,7 @@ builds a second full copy; `write_model` serializes a small skeleton once and st
 initializers' raw bytes straight to the file (inline, or to an external-data file).
 `skeleton` copies a message without one repeated field, so weights can be left out of a copy.
 
-Reading order: `read_model` -> `_read_record`; `read_header`; `write_model` -> `_tensor_record`; `skeleton`.
+Reading order: `read_model` -> `_read_record`; `read_header` -> `_tensor_head`; `write_model` -> `_tensor_record`; `skeleton`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ import onnx
 from google.protobuf.message import Message
 from onnx import helper
 
+from onnxpipe.safepath import ensure_external_data_inside
+
 __all__ = ["read_model", "read_header", "write_model", "inline_external_data", "skeleton", "is_streamable", "raw_nbytes"]
 
 _GRAPH_FIELD = 7  # ModelProto.graph
 _INITIALIZER_FIELD = 5  # GraphProto.initializer
 _RAW_DATA_FIELD = 9  # TensorProto.raw_data
+#: TensorProto's data fields (float_data, int32_data, string_data, int64_data, raw_data, double_data,
+#: uint64_data): what a tensor's head leaves out.
+_TENSOR_DATA_FIELDS = frozenset({4, 5, 6, 7, 9, 10, 11})
 _LENGTH_DELIMITED = 2
 
 M = TypeVar("M", bound=Message)
@@ -80,15 +85,32 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse a model file one record at a time (peak: the model plus its largest tensor), then load
     external data if the model has any."""
     model = _parse(Path(path), weights=True)
+    ensure_external_data_inside(path, model, "keep a model's external-data files in its own directory and re-save it")
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         onnx.external_data_helper.load_external_data_for_model(model, str(Path(path).parent))
     return model
 
 
 def read_header(path: str | os.PathLike) -> onnx.ModelProto:
-    """A model file without its initializers (their records are skipped, never read): the graph's
-    nodes, inputs and outputs of a model of any size at the cost of its small parts."""
+    """A model file without its weights' bytes (skipped, never read): the graph's nodes, inputs,
+    outputs and initializer heads (name, dtype, dims, external-data location) of a model of any size
+    at the cost of its small parts."""
     return _parse(Path(path), weights=False)
+
+
+def _tensor_head(f: BinaryIO, end: int) -> bytes:
+    """The fields of the TensorProto record ending at `end`, its data fields skipped."""
+    kept = bytearray()
+    while f.tell() < end:
+        key, key_bytes = _read_varint(f)
+        if key >> 3 in _TENSOR_DATA_FIELDS and key & 7 == _LENGTH_DELIMITED:
+            skip, _ = _read_varint(f)
+            f.seek(skip, os.SEEK_CUR)
+        else:
+            kept += _read_record(f, key, key_bytes)
+    if f.tell() != end:
+        raise EOFError("truncated protobuf tensor")
+    return bytes(kept)
 
 
 def _parse(path: Path, weights: bool) -> onnx.ModelProto:
@@ -104,7 +126,9 @@ def _parse(path: Path, weights: bool) -> onnx.ModelProto:
                     inner, inner_bytes = _read_varint(f)
                     if not weights and inner >> 3 == _INITIALIZER_FIELD and inner & 7 == _LENGTH_DELIMITED:
                         skip, _ = _read_varint(f)
-                        f.seek(skip, os.SEEK_CUR)
+                        if f.tell() + skip > end:
+                            raise EOFError("truncated protobuf initializer")
+                        model.graph.initializer.add().MergeFromString(_tensor_head(f, f.tell() + skip))
                     else:
                         model.graph.MergeFromString(_read_record(f, inner, inner_bytes))
                 if f.tell() != end:

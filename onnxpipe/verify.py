@@ -14,6 +14,8 @@ from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
 from onnxpipe.ortutil import cpu_session
+from onnxpipe.protostream import read_header
+from onnxpipe.safepath import ensure_external_data_inside
 from onnxpipe.split import MAX_IR_VERSION
 
 __all__ = ["verify", "random_feeds", "relative_error", "TOLERANCE"]
@@ -84,6 +86,11 @@ def _original_session(path: Path) -> object:
 
     if not path.is_file():
         raise OnnxpipeError(f"{path}: no such file; pass the model the stages were split from")
+    try:
+        header = read_header(path)
+    except Exception as exc:  # protobuf raises several unrelated types on garbage
+        raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); pass the model the stages were split from") from exc
+    ensure_external_data_inside(path, header, "keep a model's external-data files in its own directory and re-save it")
     try:
         return session(path)
     except OnnxpipeError:

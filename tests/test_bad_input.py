@@ -8,6 +8,7 @@ that must not exist afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -164,6 +165,80 @@ def _wrong_shape(data: dict, _: Path) -> None:
     data["stages"][1]["inputs"][0]["shape"] = [8, 999]
 
 
+#: A file outside every directory under test: no command may read it.
+SECRET = b"secret bytes that no output may ever contain " * 4
+
+
+def _secret(directory: Path) -> Path:
+    """`secret.bin` beside the stage directory, and its absolute path."""
+    path = directory.parent / "secret.bin"
+    path.write_bytes(SECRET)
+    return path
+
+
+def _file_absolute(data: dict, directory: Path) -> None:
+    shutil.copy(directory / "stage_1.onnx", directory.parent / "elsewhere.onnx")
+    data["stages"][1]["file"] = str(directory.parent / "elsewhere.onnx")
+
+
+def _file_climbs_out(data: dict, directory: Path) -> None:
+    (directory.parent / "x").mkdir()
+    shutil.copy(directory / "stage_1.onnx", directory.parent / "x" / "stage_1.onnx")
+    data["stages"][1]["file"] = "../x/stage_1.onnx"
+
+
+def _file_symlink_out(data: dict, directory: Path) -> None:
+    shutil.move(directory / "stage_1.onnx", directory.parent / "stage_1.onnx")
+    (directory / "stage_1.onnx").symlink_to(directory.parent / "stage_1.onnx")
+
+
+def _data_file_out(data: dict, directory: Path) -> None:
+    data["stages"][0]["data_file"] = str(_secret(directory))
+
+
+def _external(model_path: Path, location: str) -> None:
+    """Point the first float initializer of a model at `location` as its external data."""
+    model = onnx.load(str(model_path))
+    tensor = next(t for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.raw_data) >= 16)
+    length = len(tensor.raw_data)
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    model_path.write_bytes(model.SerializeToString())
+
+
+def _stage_weights_absolute(_: dict, directory: Path) -> None:
+    _external(directory / "stage_0.onnx", str(_secret(directory)))
+
+
+def _stage_weights_climb_out(_: dict, directory: Path) -> None:
+    _secret(directory)
+    _external(directory / "stage_0.onnx", "../secret.bin")
+
+
+def _stage_weights_symlink_out(_: dict, directory: Path) -> None:
+    (directory / "w.bin").symlink_to(_secret(directory))
+    _external(directory / "stage_0.onnx", "w.bin")
+
+
+def _checkpoint_out(tmp: Path, base: Path) -> None:
+    (tmp / "ck").mkdir()
+    _secret(tmp / "ck")
+    index = {"format": "onnxpipe.checkpoint/1", "step": 1, "meta": {},
+             "stages": [{"file": "../secret.bin", "sha256": hashlib.sha256(SECRET).hexdigest(), "step": 1}]}
+    (tmp / "ck" / "checkpoint.json").write_text(json.dumps(index))
+
+
+def _model_weights_out(tmp: Path, base: Path) -> None:
+    shutil.copytree(base / "stages", tmp / "stages")
+    (tmp / "m").mkdir()
+    shutil.copy(base / "mlp.onnx", tmp / "m" / "mlp.onnx")
+    _secret(tmp / "m")
+    _external(tmp / "m" / "mlp.onnx", "../secret.bin")
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -213,6 +288,27 @@ CASES = [
          r"manifest\.json: stage 0 is listed with index 1; stages must be numbered 0\.\.1 in order", ("t.json",)),
     Case("manifest-shape-disagrees", edited_stages(_wrong_shape), ("verify", "stages", "mlp.onnx"),
          r"manifest\.json: stage 1 input '[^']+' is float32 \(8, 999\) in the manifest but float32 \(8, \d+\) in stage_1\.onnx"),
+    Case("manifest-file-absolute", edited_stages(_file_absolute), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"manifest\.json: stage 1 file '/.*elsewhere\.onnx' is an absolute path; only files inside stages are read", ("o.npz",)),
+    Case("manifest-file-climbs-out", edited_stages(_file_climbs_out), ("verify", "stages", "mlp.onnx"),
+         r"manifest\.json: stage 1 file '\.\./x/stage_1\.onnx' climbs out of stages with '\.\.'"),
+    Case("manifest-file-symlink-out", edited_stages(_file_symlink_out), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"stage 1 file 'stage_1\.onnx' leads out of stages through a symlink", ("o.npz",)),
+    Case("manifest-data-file-out", edited_stages(_data_file_out), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"stage 0 weights file '/.*secret\.bin' is an absolute path", ("o.npz",)),
+    Case("stage-external-data-absolute", edited_stages(_stage_weights_absolute), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"stage_0\.onnx: the external data of tensor '[^']+' '/.*secret\.bin' is an absolute path", ("o.npz",)),
+    Case("stage-external-data-climbs-out", edited_stages(_stage_weights_climb_out), ("verify", "stages", "mlp.onnx"),
+         r"stage_0\.onnx: the external data of tensor '[^']+' '\.\./secret\.bin' climbs out of stages"),
+    Case("stage-external-data-symlink", edited_stages(_stage_weights_symlink_out), ("train", "stages", "--steps", "1", "--json", "t.json"),
+         r"stage_0\.onnx: the external data of tensor '[^']+' 'w\.bin' leads out of stages through a symlink", ("t.json",)),
+    Case("model-external-data-out", _model_weights_out, ("verify", "stages", "m/mlp.onnx"),
+         r"m/mlp\.onnx: the external data of tensor '[^']+' '\.\./secret\.bin' climbs out of m"),
+    Case("model-external-data-out-split", _model_weights_out, ("split", "m/mlp.onnx", "-t", "fpga4", "-o", "out"),
+         r"m/mlp\.onnx: the external data of tensor '[^']+' '\.\./secret\.bin' climbs out of m", ("out",)),
+    Case("checkpoint-file-climbs-out", both(copy("stages"), _checkpoint_out),
+         ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
+         r"ck/checkpoint\.json: stage file '\.\./secret\.bin' climbs out of ck", ("t.json",)),
     Case("manifest-not-json", both(copy("stages", "good.npz"), write("stages/manifest.json", "[")), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
          r"manifest\.json: not valid JSON", ("o.npz",)),
     Case("npz-missing-array", both(copy("stages"), npz(y=np.zeros(3))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),

@@ -19,6 +19,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path, swap_in
+from onnxpipe.safepath import inside
 
 __all__ = ["StageState", "ensure_checkpoint_dir", "save_checkpoint", "load_checkpoint"]
 
@@ -97,12 +98,15 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[int, list[StageState]
         raise OnnxpipeError(f"{root}: no checkpoint.json; pass a directory written by --checkpoint-dir or Pipeline.save")
     try:
         top = json.loads(top_path.read_text())
-        step, entries = int(top["step"]), top["stages"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        step, entries = int(top["step"]), list(top["stages"])
+        if not all(isinstance(e, dict) and isinstance(e["sha256"], str) and isinstance(e["step"], int) for e in entries):
+            raise TypeError("each stage entry needs file, sha256 and step")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
         raise OnnxpipeError(f"{top_path}: unreadable checkpoint index ({exc}); restart without --resume") from exc
     states: list[StageState] = []
     for entry in entries:
-        npz = root / entry["file"]
+        npz = inside(root, entry.get("file"), f"{top_path}: stage file",
+                     "a checkpoint names only files inside its directory; restart without --resume")
         if not npz.is_file() or _sha256(npz) != entry["sha256"]:
             raise OnnxpipeError(f"{npz}: checkpoint file is missing or corrupted (sha256 mismatch); delete the checkpoint directory or restore it")
         if entry["step"] != step:

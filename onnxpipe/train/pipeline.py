@@ -25,6 +25,7 @@ from onnx import numpy_helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
 from onnxpipe.manifest import Manifest
+from onnxpipe.protostream import read_model
 from onnxpipe.simulate import Event
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from onnxpipe.train.data import split_microbatches
@@ -269,6 +270,8 @@ def _read_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not Path(path).is_file():
         raise OnnxpipeError(f"{path}: no such model file or stage directory; pass an .onnx file or a directory written by `onnxpipe split`")
     try:
-        return onnx.load(str(path))
+        return read_model(path)
+    except OnnxpipeError:
+        raise
     except Exception as exc:
         raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); export it again") from exc

@@ -1,0 +1,75 @@
+"""Files named by other files stay inside the directory that holds the file naming them.
+
+A manifest names stage files and weight files, a checkpoint index names its arrays, a model names
+its external data. onnxpipe follows such a name only when it is a relative path without `..` that
+resolves, symlinks followed, inside that directory: checked before the file is opened, so a tampered
+directory or model cannot make onnxpipe read a file elsewhere on the machine (and copy it into an output).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+import onnx
+
+from onnxpipe.errors import OnnxpipeError
+
+__all__ = ["inside", "external_locations", "ensure_external_data_inside"]
+
+
+def inside(directory: str | os.PathLike, name: object, what: str, fix: str) -> Path:
+    """`directory / name`, or an OnnxpipeError naming `what` when `name` is not a relative path that
+    stays inside `directory`."""
+    root = Path(directory)
+
+    def refuse(reason: str) -> OnnxpipeError:
+        return OnnxpipeError(f"{what} {name!r} {reason}; {fix}")
+
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise refuse("is not a file name")
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if PurePosixPath(name).is_absolute() or Path(name).is_absolute() or (parts and parts[0].endswith(":")):
+        raise refuse(f"is an absolute path; only files inside {root} are read")
+    if ".." in parts:
+        raise refuse(f"climbs out of {root} with '..'; only files inside it are read")
+    path = root / name
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise refuse(f"leads out of {root} through a symlink; only files inside it are read")
+    return path
+
+
+def external_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
+    """(tensor name, location) of every tensor whose bytes live in an external file: initializers,
+    sparse initializers and attribute tensors, in subgraphs and functions too."""
+
+    def tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield from (sparse.values, sparse.indices)
+        for node in graph.node:
+            yield from node_tensors(node)
+
+    def node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sparse in [*([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []), *attr.sparse_tensors]:
+                yield from (sparse.values, sparse.indices)
+            for sub in [*([attr.g] if attr.HasField("g") else []), *attr.graphs]:
+                yield from tensors(sub)
+
+    everything = [tensors(model.graph), *(node_tensors(n) for f in model.functions for n in f.node)]
+    for source in everything:
+        for tensor in source:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                entries = {e.key: e.value for e in tensor.external_data}
+                yield tensor.name, entries.get("location", "")
+
+
+def ensure_external_data_inside(path: str | os.PathLike, model: onnx.ModelProto, fix: str) -> None:
+    """Every external-data file `model` (read from `path`) names lies inside the model's own directory."""
+    for name, location in external_locations(model):
+        inside(Path(path).parent, location, f"{path}: the external data of tensor '{name}'", fix)
