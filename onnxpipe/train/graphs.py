@@ -296,13 +296,14 @@ def _value_types(model: onnx.ModelProto, forward_nodes: Sequence[onnx.NodeProto]
     return types
 
 
-def _ort_types(probe: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Types onnxruntime infers for every node output (onnx knows no contrib op such as LSTMTraining):
-    the nodes' outputs become untyped graph outputs of a session whose declared outputs are then read."""
+def _ort_types(probe: onnx.ModelProto, names: Iterable[str] | None = None) -> dict[str, onnx.TypeProto]:
+    """Types onnxruntime infers for every node output, or for `names` (onnx knows no contrib op such as
+    LSTMTraining): they become untyped graph outputs of a session whose declared outputs are then read."""
     typed = onnx.ModelProto()
     typed.CopyFrom(probe)
     del typed.graph.output[:]
-    typed.graph.output.extend(onnx.ValueInfoProto(name=o) for n in typed.graph.node for o in n.output if o)
+    wanted = names if names is not None else (o for n in typed.graph.node for o in n.output if o)
+    typed.graph.output.extend(onnx.ValueInfoProto(name=o) for o in wanted)
     try:
         outputs = cpu_session(typed.SerializeToString(), optimize=False).get_outputs()
     except Exception:  # leave the declared types; `_value_info` names the tensor it misses
