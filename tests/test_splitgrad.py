@@ -17,7 +17,7 @@ CASES = [(name, "never") for name in TRAINABLE + REWRITTEN] + [("gpt2-tiny", "al
 
 
 def _run(model: bytes, feeds: dict[str, np.ndarray], optimize: bool) -> dict[str, np.ndarray]:
-    session = cpu_session(model, optimize=optimize)
+    session = cpu_session(model, threads=1, optimize=optimize)
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, {i.name: feeds[i.name] for i in session.get_inputs()})))
 
@@ -57,3 +57,13 @@ def test_b_then_w_gives_the_fused_backward(name: str, recompute: str) -> None:
         assert held >= sum(got[x].nbytes for x in split.left)
     # Every model defers some weight gradients to W (the first stage's, at least).
     assert deferred > 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet-tiny", "inception-tiny"])
+def test_conv_and_matmul_weight_gradients_all_wait_for_w(name: str) -> None:
+    # ConvGrad makes dX, dW and dB in one node: it is cut in two, so B makes no weight gradient.
+    directory, manifest = stage_dir(name, 3)
+    specs = prepare_stages(directory, manifest, TrainConfig(microbatches=M, optimizer=SGD))
+    splits = [split_backward(s.graphs) for s in specs if s.graphs.backward]
+    assert all(sp.b_trained == () for sp in splits)
+    assert sum(len(sp.w_trained) for sp in splits) == sum(len(s.graphs.trained) for s in specs)

@@ -21,7 +21,13 @@ import onnx
 
 from onnxpipe.train.graphs import StageGraphs, _ancestors, _free_inputs, _ort_types, _submodel, grad_name
 
-__all__ = ["SplitBackward", "split_backward", "left_bytes"]
+__all__ = ["SplitBackward", "split_backward", "left_bytes", "SEPARABLE"]
+
+#: Gradient ops that make input and weight gradients in one node and make any subset of them when
+#: the others are left out: B runs them for the input gradient, W again for the weight gradients.
+#: (LayerNormalizationGrad and BatchNormalizationGrad need all their outputs, and LSTMGrad with some
+#: left out crashes onnxruntime 1.19.2: B makes their weight gradients, `b_trained`.)
+SEPARABLE = frozenset({"ConvGrad"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ def split_backward(graphs: StageGraphs) -> SplitBackward:
     fused = onnx.load_from_string(graphs.backward)
     inputs = {i.name for i in fused.graph.input}
     input_grads = tuple(grad_name(x) for x in graphs.grad_inputs)
+    _separate(fused.graph, _ancestors(fused.graph, input_grads), input_grads)
     b_nodes = _ancestors(fused.graph, input_grads)
     made_by_b = {o for n in b_nodes for o in n.output if o}
     b_trained = tuple(p for p in graphs.trained if grad_name(p) in made_by_b)
@@ -67,6 +74,24 @@ def split_backward(graphs: StageGraphs) -> SplitBackward:
     b = _submodel(fused, b_nodes, b_inputs, b_outputs, types).SerializeToString() if input_grads else None
     w = _submodel(fused, w_nodes, w_inputs, tuple(grad_name(p) for p in w_trained), types).SerializeToString() if w_trained else None
     return SplitBackward(b, w, b_inputs, w_inputs, left, b_trained, w_trained)
+
+
+def _separate(graph: onnx.GraphProto, b_nodes: list[onnx.NodeProto], input_grads: tuple[str, ...]) -> None:
+    """Cut each gradient node of `SEPARABLE` that B runs into two: one making what B needs, one (for W)
+    making the rest (its weight gradients), each output computed once either way."""
+    needed = set(input_grads) | {i for n in b_nodes for i in n.input}
+    for node in b_nodes:
+        if node.op_type not in SEPARABLE or all(o in needed for o in node.output if o):
+            continue
+        w_part = onnx.NodeProto()
+        w_part.CopyFrom(node)
+        w_part.name = f"{node.name}/w"
+        for k, o in enumerate(node.output):
+            if o in needed:
+                w_part.output[k] = ""
+            else:
+                node.output[k] = ""
+        graph.node.insert(list(graph.node).index(node) + 1, w_part)
 
 
 def _types(model: onnx.ModelProto, names: tuple[str, ...]) -> dict[str, onnx.TypeProto]:
