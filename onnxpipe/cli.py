@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,28 +26,36 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show full traceback
     _state["debug"] = debug
 
 
+#: Exit codes: a check that found a difference (`verify`), bad input, a bug in onnxpipe.
+EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 1, 2, 3
+
+
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn OnnxpipeError and OSError (a path that cannot be read or written) into one line on stderr and
     exit code 2, Ctrl-C into exit code 130, and any other failure into a one-line internal error with
-    exit code 1; `--debug` re-raises them all with their tracebacks."""
+    exit code 3; `--debug` re-raises them all with their tracebacks. Python warnings (numpy's
+    overflow and invalid-value notes) stay off stderr unless `--debug`."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                if not _state["debug"]:
+                    warnings.simplefilter("ignore")
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.exceptions.TyperException):
             raise
         except OnnxpipeError as exc:
-            _fail(exc, str(exc), 2)
+            _fail(exc, str(exc), EXIT_BAD_INPUT)
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
-            _fail(exc, f"{where}{exc.strerror or exc}; check the path exists and is writable, or choose another", 2)
+            _fail(exc, f"{where}{exc.strerror or exc}; check the path exists and is writable, or choose another", EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
             sys.exit(130)
         except Exception as exc:  # a bug: still one line, the traceback behind --debug
             first = (str(exc).strip().splitlines() or [""])[0][:300]
-            _fail(exc, f"internal error ({type(exc).__name__}: {first}); rerun with --debug for the traceback and report it", 1)
+            _fail(exc, f"internal error ({type(exc).__name__}: {first}); rerun with --debug for the traceback and report it", EXIT_INTERNAL)
 
     return wrapper
 
@@ -323,7 +332,7 @@ def verify(
     bad = [name for name, error in errors.items() if error > TOLERANCE]
     if bad:
         err_console.print(f"[bold red]error:[/] output '{escape(bad[0])}' differs by {errors[bad[0]]:.2e} relative (> {TOLERANCE:g})", highlight=False)
-        sys.exit(1)
+        sys.exit(EXIT_MISMATCH)
     console.print(f"all {len(errors)} outputs match within {TOLERANCE:g} relative", highlight=False)
 
 

@@ -42,10 +42,11 @@ def quiet_stderr() -> Iterator[None]:
 
 @functools.cache
 def quiet_logger() -> None:
-    """onnxruntime's default logger at warning level and above, once per process."""
+    """onnxruntime's default logger at fatal level, once per process: its errors reach onnxpipe as
+    exceptions (one line each), never as coloured log lines on stderr."""
     import onnxruntime
 
-    onnxruntime.set_default_logger_severity(3)
+    onnxruntime.set_default_logger_severity(4)
 
 
 def cpu_session(model: bytes | str | os.PathLike, *, threads: int = 0, optimize: bool = True, profile_prefix: str | None = None):  # -> InferenceSession
@@ -55,7 +56,7 @@ def cpu_session(model: bytes | str | os.PathLike, *, threads: int = 0, optimize:
 
     quiet_logger()
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4
     if threads > 0:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

@@ -12,7 +12,9 @@ fresh ModelProto, its large initializers' bytes are streamed from the source mod
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -197,11 +199,28 @@ def _constant_closure(graph: Graph, tensor: str, memo: dict[str, tuple[set[str],
     return found
 
 
+#: What `split` writes into a stage directory: the only names `--force` may replace.
+_STAGE_DIRECTORY_FILE = re.compile(r"^(manifest\.json|plan\.json|stage_\d+\.onnx(\.data)?)$")
+
+
 def _ensure_destination(target: Path, force: bool) -> None:
+    """The output directory is new, empty, or (with force) a stage directory onnxpipe wrote: --force
+    never deletes a model or any file of the user's."""
     if target.exists() and not target.is_dir():
         raise OnnxpipeError(f"{target}: exists and is not a directory; choose another -o")
-    if target.is_dir() and any(target.iterdir()) and not force:
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not force:
         raise OnnxpipeError(f"{target}: exists and is not empty; pass --force to replace it or choose another -o")
+    foreign = sorted(p.name for p in target.iterdir() if not _STAGE_DIRECTORY_FILE.match(p.name) or not p.is_file() or p.is_symlink())
+    if foreign or not (target / "manifest.json").is_file():
+        what = f"holds {foreign[0]!r}, which onnxpipe did not write" if foreign else "has no manifest.json"
+        raise OnnxpipeError(f"{target}: {what}; --force replaces only a stage directory written by `onnxpipe split`, choose another -o")
+    try:
+        Manifest.from_json(json.loads((target / "manifest.json").read_text()), str(target / "manifest.json"))
+    except (OnnxpipeError, ValueError, UnicodeDecodeError, AttributeError):
+        raise OnnxpipeError(f"{target}: its manifest.json is not an onnxpipe manifest; --force replaces only a stage directory "
+                            "written by `onnxpipe split`, choose another -o") from None
 
 
 def _temp_dir(target: Path) -> Path:
@@ -219,9 +238,9 @@ def _temp_dir(target: Path) -> Path:
 
 
 def _publish(tmp: Path, target: Path, force: bool) -> None:
-    """Rename the finished directory into place (an old one only with force)."""
-    if target.is_dir() and any(target.iterdir()) and not force:
-        raise OnnxpipeError(f"{target}: exists and is not empty; pass --force to replace it or choose another -o")
+    """Rename the finished directory into place (an old one only with force, checked again: it may
+    have changed while the stages were written)."""
+    _ensure_destination(target, force)
     swap_in(tmp, target)
 
 

@@ -223,6 +223,14 @@ def _stage_weights_symlink_out(_: dict, directory: Path) -> None:
     _external(directory / "stage_0.onnx", "w.bin")
 
 
+def _broken_gemm(_: dict, directory: Path) -> None:
+    """A stage whose Gemm reads its weight untransposed: loads, then fails when run (onnxruntime logs such failures in colour)."""
+    model = onnx.load(str(directory / "stage_1.onnx"))
+    gemm = [n for n in model.graph.node if n.op_type == "Gemm"][-1]  # out/Gemm: a 10 x 32 weight
+    del gemm.attribute[:]
+    (directory / "stage_1.onnx").write_bytes(model.SerializeToString())
+
+
 def _checkpoint_out(tmp: Path, base: Path) -> None:
     (tmp / "ck").mkdir()
     _secret(tmp / "ck")
@@ -246,6 +254,8 @@ class Case:
     argv: tuple[str, ...]
     message: str
     absent: tuple[str, ...] = ()
+    #: Files that must still be there afterwards.
+    kept: tuple[str, ...] = ()
 
 
 CASES = [
@@ -309,6 +319,17 @@ CASES = [
     Case("checkpoint-file-climbs-out", both(copy("stages"), _checkpoint_out),
          ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
          r"ck/checkpoint\.json: stage file '\.\./secret\.bin' climbs out of ck", ("t.json",)),
+    Case("force-over-the-model", both(write("m/notes.txt", "mine"), lambda t, b: shutil.copy(b / "mlp.onnx", t / "m" / "mlp.onnx")),
+         ("split", "m/mlp.onnx", "-t", "fpga4", "-o", "m", "--force"),
+         r"m: holds 'mlp\.onnx', which onnxpipe did not write; --force replaces only a stage directory written by `onnxpipe split`",
+         kept=("m/mlp.onnx", "m/notes.txt")),
+    Case("force-over-a-directory-with-more", both(copy("stages", "mlp.onnx"), write("stages/notes.txt", "mine")),
+         ("split", "mlp.onnx", "-t", "fpga4", "-o", "stages", "--force"), r"stages: holds 'notes\.txt', which onnxpipe did not write",
+         kept=("stages/notes.txt", "stages/stage_1.onnx")),
+    Case("force-over-a-fake-manifest", both(copy("mlp.onnx"), write("d/manifest.json", "{}")), ("split", "mlp.onnx", "-t", "fpga4", "-o", "d", "--force"),
+         r"d: its manifest\.json is not an onnxpipe manifest; --force replaces only a stage directory"),
+    Case("stage-fails-in-onnxruntime", edited_stages(_broken_gemm), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"stage 1 \(stage_1\.onnx\) failed in onnxruntime: .*re-split", ("o.npz",)),
     Case("manifest-not-json", both(copy("stages", "good.npz"), write("stages/manifest.json", "[")), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
          r"manifest\.json: not valid JSON", ("o.npz",)),
     Case("npz-missing-array", both(copy("stages"), npz(y=np.zeros(3))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
@@ -350,6 +371,8 @@ def test_bad_input_is_one_line_and_exit_2(case: Case, base: Path, tmp_path: Path
     assert re.search(case.message, err), err
     for path in case.absent:
         assert not (tmp_path / path).exists(), f"{path} was left behind"
+    for path in case.kept:
+        assert (tmp_path / path).is_file(), f"{path} was deleted"
     left = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} - before
     assert not [p for p in left if p.name.startswith(".")], f"temporary files left behind: {left}"
 

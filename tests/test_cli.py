@@ -143,3 +143,22 @@ def test_train(work: Path) -> None:
     assert re.search(r"check against the unpartitioned model: max loss difference [\d.e+-]+ \(relative\)", out)
     data = json.loads((work / "train.json").read_text())
     assert len(data["losses"]) == 3 and data["check"]["max_loss_rel_diff"] < 1e-5
+
+
+def test_internal_error_has_its_own_exit_code(tmp_path: Path) -> None:
+    """A bug (any exception that is not bad input) exits 3, apart from verify's mismatch (1) and bad input (2)."""
+    code = ("import onnxpipe.graph as g\n"
+            "def broken(*a, **k):\n    raise ZeroDivisionError('a bug')\n"
+            "g.load = broken\n"
+            "from onnxpipe.cli import app\napp(['inspect', 'any.onnx'])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: internal error (ZeroDivisionError: a bug); rerun with --debug for the traceback and report it"]
+
+
+def test_numpy_warnings_stay_off_stderr(work: Path) -> None:
+    """float64 inputs beyond float32's range become inf on the way in; numpy's overflow warning is not shown."""
+    np.savez(work / "huge.npz", x=np.full((8, 16), 1e300))
+    result = onnxpipe("run", "stages", "--inputs", "huge.npz", "-o", "huge-out.npz", cwd=work)
+    assert result.returncode == 0 and result.stderr == "", result.stderr

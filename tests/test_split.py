@@ -251,7 +251,12 @@ def test_failed_split_leaves_nothing_and_existing_dirs_need_force(tmp_path: Path
     with pytest.raises(OnnxpipeError, match="not empty; pass --force"):
         split(graph, plan, tmp_path / "s")
     assert (tmp_path / "s" / "old.txt").read_text() == "keep"
-    split(graph, plan, tmp_path / "s", force=True)
+    with pytest.raises(OnnxpipeError, match="holds 'old.txt', which onnxpipe did not write; --force replaces only a stage directory"):
+        split(graph, plan, tmp_path / "s", force=True)
+    assert (tmp_path / "s" / "old.txt").read_text() == "keep"
+    (tmp_path / "s" / "old.txt").unlink()
+    split(graph, plan, tmp_path / "s")
+    split(graph, plan, tmp_path / "s", force=True)  # a stage directory onnxpipe wrote is replaced
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json", "plan.json", *(f"stage_{i}.onnx" for i in range(4))]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
     assert Plan.read(tmp_path / "s" / "plan.json") == plan
