@@ -3,6 +3,7 @@
 from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
+from onnxpipe.initializers import TieChoice
 from onnxpipe.target import Target, load_target
 from onnxpipe.chain import chain, run_pipeline
 from onnxpipe.split import split
@@ -12,5 +13,5 @@ from onnxpipe.plan import plan as make_plan
 from onnxpipe.train.pipeline import Pipeline
 from onnxpipe.simulate import Simulation, simulate
 
-__all__ = ["annotate", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline", "make_plan", "plan_model", "evaluate", "lower_bound", "Plan", "simulate", "Simulation"]
+__all__ = ["annotate", "TieChoice", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline", "make_plan", "plan_model", "evaluate", "lower_bound", "Plan", "simulate", "Simulation"]
 __version__ = "0.1.0"

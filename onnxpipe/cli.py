@@ -78,6 +78,25 @@ def parse_dims(values: list[str] | None) -> dict[str, int]:
     return dims
 
 
+def parse_ties(tie: list[str] | None, untie: list[str] | None) -> Any:
+    """`--tie NAME` / `--untie NAME` overrides as an `onnxpipe.initializers.TieChoice`."""
+    from onnxpipe.initializers import TieChoice
+
+    return TieChoice.of(tie, untie)
+
+
+_TIE_HELP = "Train this weight read by several nodes as one tensor (default for ties and reuse in one module), repeatable."
+_UNTIE_HELP = "Give each module reading this weight its own copy (default for constant-valued exporter merges), repeatable."
+
+
+def print_shared(shared: Any) -> None:
+    """What loading decided about weights read by several nodes (nothing when there are none)."""
+    from onnxpipe.initializers import describe
+
+    if shared:
+        console.print(escape(describe(shared)), highlight=False)
+
+
 # -- onnxpipe models: the model zoo ------------------------------------------------------------
 
 models_app = typer.Typer(add_completion=False, help="List the built-in model zoo and build its models to .onnx files.")
@@ -258,6 +277,8 @@ def split(
     cuts: str = typer.Option(None, "--cuts", help="Cut by hand after these tensors, comma-separated in data-flow order; devices in target order."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output directory."),
     annotated: str = typer.Option(None, "--annotated", help="Also write the model with each node tagged by its stage (metadata onnxpipe.stage)."),
+    tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
+    untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
 ) -> None:
     """Cut a model into pipeline stages: one standalone ONNX model per stage plus manifest.json and plan.json."""
     from pathlib import Path
@@ -276,19 +297,20 @@ def split(
     if plan_file:
         from onnxpipe.plan.result import Plan
 
-        graph = load(model, parse_dims(dim))
+        graph = load(model, parse_dims(dim), parse_ties(tie, untie))
         plan = Plan.read(plan_file)
     elif cuts:
         from onnxpipe.cost import annotate as annotate_costs
         from onnxpipe.target import load_target
 
-        graph = load(model, parse_dims(dim))
+        graph = load(model, parse_dims(dim), parse_ties(tie, untie))
         plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
     else:
         from onnxpipe.plan import plan_model
 
         extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
-        graph, _, _, plan = plan_model(model, target, dims=parse_dims(dim), **options, **extra)
+        graph, _, _, plan = plan_model(model, target, dims=parse_dims(dim), ties=parse_ties(tie, untie), **options, **extra)
+    print_shared(graph.shared)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
 
@@ -388,6 +410,8 @@ def plan_command(
     profile: bool = typer.Option(None, "--profile/--no-profile", help="Measure node times with onnxruntime (default: as the target says)."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
+    tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
+    untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
 ) -> None:
     """Find balanced pipeline stages for a model on a target, with the lower bound and the solver's gap."""
     from rich.table import Table
@@ -406,7 +430,9 @@ def plan_command(
         graph, costs, tgt, plan = plan_model(
             model, target, dims=parse_dims(dim), profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
+            ties=parse_ties(tie, untie),
         )
+    print_shared(graph.shared)
     ms = 1e3
     table = Table(title=f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plan.microbatches} micro-batches, {plan.schedule}, {plan.optimizer}")
@@ -468,6 +494,8 @@ def train(
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic data."),
     report_path: str = typer.Option(None, "--report", help="Write FILE.html: the measured timeline of the last step beside the simulated one."),
+    tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
+    untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
 ) -> None:
     """Train a model as a pipeline: one worker process per stage replica, the schedule's table, shared-memory transport."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -493,7 +521,8 @@ def train(
         ensure_checkpoint_dir(checkpoint_dir)  # before any worker starts
     opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
-                  loss=loss_spec, recompute=recompute, dims=parse_dims(dim)) as pipe:
+                  loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ())) as pipe:
+        print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
         source = data_source(pipe, data, seed)
@@ -604,6 +633,8 @@ def inspect_command(
     model: str = typer.Argument(..., help="The .onnx model."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
     nodes: bool = typer.Option(False, "--nodes", help="List every compute node with its outputs (names to give --cuts)."),
+    tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
+    untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
 ) -> None:
     """Show a model as onnxpipe sees it: inputs, outputs, weights, op types, and the nodes that cannot be trained."""
     from collections import Counter
@@ -614,7 +645,7 @@ def inspect_command(
     from onnxpipe.train.graphs import UNTRAINABLE_OPS
     from onnxpipe.units import format_bytes
 
-    graph = load(model, parse_dims(dim))
+    graph = load(model, parse_dims(dim), parse_ties(tie, untie))
     console.print(f"[bold]{graph.source}[/]: {len(graph.compute_nodes)} compute nodes, {len(graph.constant_nodes)} constant nodes, "
                   f"ir_version {graph.model.ir_version}, opsets " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in graph.model.opset_import))
     io = Table("", "name", "dtype", "shape", title="inputs and outputs")
@@ -625,6 +656,12 @@ def inspect_command(
     console.print(io)
     params = graph.parameters
     console.print(f"weights: {len(params)} tensors, {format_bytes(sum(graph.tensors[p].nbytes for p in params))}")
+    if graph.shared:
+        shared = Table("weight", "kind", "decision", "readers (node: module)", title="weights read by several nodes")
+        for s in graph.shared:
+            readers = ", ".join(f"{node}: {module or '?'}" for node, module in s.readers[:6]) + (" ..." if len(s.readers) > 6 else "")
+            shared.add_row(escape(s.name), s.kind, "untied (a copy per module)" if s.untied else "shared", escape(readers))
+        console.print(shared)
     ops = Counter(graph.node(n).op_type for n in graph.compute_nodes)
     console.print("op types: " + ", ".join(f"{op} x{count}" for op, count in ops.most_common()))
     untrainable = [n for n in graph.compute_nodes if graph.node(n).op_type in UNTRAINABLE_OPS]

@@ -6,6 +6,7 @@ Reading order: `load` (public entry) -> `_read_model` -> `_normalize` -> `_bind_
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -19,6 +20,7 @@ import onnx
 from onnx import helper, shape_inference
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
 from onnxpipe.ortutil import cpu_session
 from onnxpipe.protostream import is_streamable, raw_nbytes, read_model, skeleton
 
@@ -76,6 +78,13 @@ class Graph:
     dims: Mapping[str, int]
     #: Where the model came from (path or "<memory>").
     source: str
+    #: Weights the file shares among several nodes and what loading decided (untied ones have a copy per module).
+    shared: tuple[SharedInitializer, ...] = ()
+
+    @property
+    def untied(self) -> tuple[str, ...]:
+        """Names of the file's initializers that were given one copy per reading module."""
+        return tuple(s.name for s in self.shared if s.untied)
 
     def node(self, name: str) -> onnx.NodeProto:
         """The NodeProto of a node name."""
@@ -156,16 +165,19 @@ def is_weight(dtype: str, shape: tuple[int, ...]) -> bool:
     return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1
 
 
-def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None) -> Graph:
-    """Load a model, bind its symbolic dims, infer every shape and build the node DAG."""
+def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None, ties: TieChoice | None = None) -> Graph:
+    """Load a model, untie exporter-merged weights (`onnxpipe.initializers`; `ties` overrides), bind
+    its symbolic dims, infer every shape and build the node DAG."""
     model, origin = _read_model(source)
     model = _normalize(model)
+    shared = shared_initializers(model, ties or TieChoice())
+    untie_in_place(model, (s.name for s in shared if s.untied))
     dims = dict(dims or {})
     _bind_dims(model, dims, origin)
     model = _infer_shapes(model, origin)
     tensors = _tensor_infos(model, origin)
     _ensure_valid(model, tensors, origin)
-    return _build(model, tensors, dims, origin)
+    return dataclasses.replace(_build(model, tensors, dims, origin), shared=shared)
 
 
 def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:

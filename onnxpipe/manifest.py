@@ -79,6 +79,9 @@ class Manifest:
     shared: tuple[SharedInitializer, ...]
     #: Name of the model's scalar loss output when it has one.
     loss: str | None = None
+    #: Initializers of the model file that were untied (one copy per reading module, `onnxpipe.initializers.untie`):
+    #: loading the model again with exactly these untied gives the graph the stages were cut from.
+    untied: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -120,6 +123,7 @@ class Manifest:
                 stages=stages,
                 shared=tuple(SharedInitializer(s["name"], tuple(s["stages"])) for s in data["shared"]),
                 loss=data.get("loss"),
+                untied=tuple(data.get("untied", ())),
             )
         except (KeyError, TypeError) as exc:
             raise OnnxpipeError(f"{origin}: manifest is missing or has a bad field ({exc}); rewrite the directory with `onnxpipe split`") from exc

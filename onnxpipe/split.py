@@ -377,6 +377,7 @@ def _manifest(graph: Graph, plan: Plan, stages: tuple[Stage, ...], layouts: Sequ
         stages=stages,
         shared=shared,
         loss=_loss_output(graph),
+        untied=graph.untied,
     )
 
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "onnxpipe"
 #: Lowest first. A module's layer is the first prefix that matches.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("onnxpipe.errors", "onnxpipe.units", "onnxpipe.safepath", "onnxpipe.protostream", "onnxpipe.ortutil", "onnxpipe.fileio"),
-    ("onnxpipe.graph", "onnxpipe.cost", "onnxpipe.cost_formulas", "onnxpipe.cost_profile", "onnxpipe.target"),
+    ("onnxpipe.graph", "onnxpipe.initializers", "onnxpipe.cost", "onnxpipe.cost_formulas", "onnxpipe.cost_profile", "onnxpipe.target"),
     ("onnxpipe.schedule",),
     ("onnxpipe.pricing",),
     ("onnxpipe.simulate",),

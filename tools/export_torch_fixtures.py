@@ -1,8 +1,17 @@
 """Export the small torch models whose ONNX files the tests load (tests/data/torch_*.onnx).
 
 torch is not a dependency of onnxpipe: run this in an environment that has it
-(`pip install torch onnxscript`), then commit the files it writes. The tests check that
+(`pip install torch onnxscript transformers`), then commit the files it writes. The tests check that
 real exports load, split, chain and train; this script is how those files were made.
+
+The GPT-2 fixtures (transformers' GPT2LMHeadModel, 2 layers, vocab 256, d 64, freshly initialised)
+are exported twice by the dynamo exporter, with its default optimisation (which merges the
+identical LayerNorm ones and zeros into one initializer each) and with `optimize=False` (which keeps
+SplitToSequence/SequenceAt). Beside them, `torch_gpt2.npz` holds three training batches (and the LayerNorm
+weights after training) and `torch_gpt2.json` the losses PyTorch's own SGD reaches on them: pipelined training must reproduce them.
+The Conv1D biases are drawn at random instead of torch's zeros: the default optimisation deletes an
+all-zero Gemm bias (onnxscript's RemoveOptionalBiasFromGemm), and a weight missing from the file
+cannot be trained like PyTorch trains it.
 """
 
 from __future__ import annotations
@@ -11,6 +20,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+import transformers.utils
+import transformers.utils.import_utils
+
+# transformers imports torchvision when it is installed, and a torchvision built for another torch fails to
+# import; GPT-2 needs none of it.
+transformers.utils.is_torchvision_available = transformers.utils.import_utils.is_torchvision_available = lambda: False
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data"
 
@@ -49,6 +65,60 @@ class SmallCNN(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+GPT2_STEPS, GPT2_BATCH, GPT2_SEQ, GPT2_LR = 3, 8, 16, 0.1
+
+
+class GPT2WithLoss(nn.Module):
+    """transformers' GPT-2 language model ending in the mean token cross-entropy against `labels`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = GPT2Config(vocab_size=256, n_positions=GPT2_SEQ, n_embd=64, n_layer=2, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.gpt = GPT2LMHeadModel(config)
+        with torch.no_grad():
+            for name, param in self.gpt.named_parameters():
+                if name.endswith(("c_attn.bias", "c_fc.bias", "c_proj.bias")):
+                    param.normal_(0.0, 0.02)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(input_ids=input_ids).logits
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def export_gpt2() -> None:
+    """Both GPT-2 exports, the training batches, and PyTorch's SGD losses on them (full batch per step)."""
+    import json
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = GPT2WithLoss().eval()
+    ids = torch.randint(0, 256, (GPT2_STEPS, GPT2_BATCH, GPT2_SEQ))
+    labels = torch.randint(0, 256, (GPT2_STEPS, GPT2_BATCH, GPT2_SEQ))
+    batch = torch.export.Dim("batch")
+    for name, optimize in (("torch_gpt2_dynamo.onnx", True), ("torch_gpt2_unoptimized.onnx", False)):
+        program = torch.onnx.export(model, (ids[0], labels[0]), dynamo=True, optimize=optimize, opset_version=20,
+                                    input_names=["input_ids", "labels"], output_names=["loss"],
+                                    dynamic_shapes={"input_ids": {0: batch}, "labels": {0: batch}})
+        program.save(str(OUT / name))
+    names = [n for n, _ in model.named_parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=GPT2_LR)
+    losses = []
+    for step in range(GPT2_STEPS):
+        sgd.zero_grad()
+        loss = model(ids[step], labels[step])
+        loss.backward()
+        sgd.step()
+        losses.append(float(loss))
+    # The LayerNorm weights after training: the ones an exporter's merge would have kept equal.
+    norms = {f"final/{n}": p.detach().numpy() for n, p in model.named_parameters() if ".ln_" in n}
+    np.savez(OUT / "torch_gpt2.npz", input_ids=ids.numpy(), labels=labels.numpy(), **norms)
+    info = {"optimizer": "sgd", "lr": GPT2_LR, "batch": GPT2_BATCH, "steps": GPT2_STEPS, "losses": losses, "parameters": names,
+            "torch": torch.__version__}
+    (OUT / "torch_gpt2.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def main() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -62,6 +132,7 @@ def main() -> None:
                       opset_version=18, dynamo=False, dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}})
     program = torch.onnx.export(cnn, (x,), dynamo=True, opset_version=20, external_data=True)
     program.save(str(OUT / "torch_cnn_dynamo.onnx"), external_data=True)
+    export_gpt2()
     for path in sorted(OUT.glob("torch_*")):
         print(path.name, path.stat().st_size)
 

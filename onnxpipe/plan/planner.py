@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from onnxpipe.cost import Costs, annotate, read_annotated
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
+from onnxpipe.initializers import TieChoice
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices
 from onnxpipe.plan.problem import Problem, build_problem
@@ -82,10 +83,11 @@ def plan_model(
     *,
     dims: Mapping[str, int] | None = None,
     profile: bool | None = None,
+    ties: TieChoice | None = None,
     **options: object,
 ) -> tuple[Graph, Costs, Target, Plan]:
-    """Load, take the model's stored costs (an annotated ONNX) or annotate it, and plan."""
-    graph = load(model, dims)
+    """Load (untying exporter-merged weights, `ties` overriding), take the model's stored costs (an annotated ONNX) or annotate it, and plan."""
+    graph = load(model, dims, ties)
     target = load_target(target) if isinstance(target, str) else target
     costs = read_annotated(graph)
     if costs is None:

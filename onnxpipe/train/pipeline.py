@@ -24,6 +24,7 @@ from onnx import numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
+from onnxpipe.initializers import SharedInitializer, TieChoice, untie
 from onnxpipe.manifest import Manifest
 from onnxpipe.protostream import read_model
 from onnxpipe.simulate import Event
@@ -56,11 +57,17 @@ class Pipeline:
         dims: Mapping[str, int] | None = None,
         processes: bool = True,
         time_limit: float = 10.0,
+        tie: tuple[str, ...] = (),
+        untie: tuple[str, ...] = (),
     ) -> None:
         self.config = TrainConfig(schedule, microbatches, optimizer or OptimizerConfig(), loss, recompute)
         self._tmp: Path | None = None
         self.model: onnx.ModelProto | None = None
-        self.directory, self.manifest = self._stage_directory(source, target, stages, batch, dims, time_limit)
+        #: The model's weights read by several nodes and what was decided (`onnxpipe.initializers`); empty from a stage directory.
+        self.shared: tuple[SharedInitializer, ...] = ()
+        self.directory, self.manifest = self._stage_directory(source, target, stages, batch, dims, time_limit, TieChoice.of(tie, untie))
+        #: What the stages were cut from: the model with exactly the manifest's untied weights untied.
+        self.ties = TieChoice(untie=frozenset(self.manifest.untied), exact=True)
         self.inputs = model_inputs(self.manifest, self.config)
         self.batch = microbatches * (self.inputs[0].shape[0] if self.inputs[0].shape else 1)
         threads = tuple(self._threads(target, s.devices) for s in self.manifest.stages)
@@ -86,7 +93,7 @@ class Pipeline:
             self.engine = LocalPipeline(specs)
 
     def _stage_directory(self, source: Any, target: str, stages: int | None, batch: int | None, dims: Mapping[str, int] | None,
-                         time_limit: float) -> tuple[Path, Manifest]:
+                         time_limit: float, ties: TieChoice) -> tuple[Path, Manifest]:
         if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
             manifest = Manifest.read(source)
             model_path = Path(source) / manifest.model
@@ -109,7 +116,8 @@ class Pipeline:
                 if batch is None:
                     raise OnnxpipeError(f"input {vi.name!r} has a symbolic batch dim {shape[0].dim_param!r}; pass --batch B (or --dim {shape[0].dim_param}=V)")
                 dims[shape[0].dim_param] = batch // m
-        graph = load(model, dims)
+        graph = load(model, dims, ties)
+        self.shared = graph.shared
         if not isinstance(source, onnx.ModelProto):  # errors and the manifest name the file, not "<memory>"
             graph = dataclasses.replace(graph, source=str(source))
         if batch is not None and batch != graph.batch * m:
@@ -244,12 +252,14 @@ class Pipeline:
         return step
 
     def export(self, path: str | os.PathLike) -> None:
-        """The original model with its initializers replaced by the trained weights (atomic write)."""
+        """The original model with its initializers replaced by the trained weights (atomic write).
+
+        Initializers keep the model's names; an untied one is written as its separate copies (the
+        first reading module keeps the name, the others' copies are named after their modules)."""
         if self.model is None:
             raise OnnxpipeError(f"{self.directory}: the original model {self.manifest.model!r} is not beside the stages; build the Pipeline from the model to export")
         trained = self.parameters()
-        model = onnx.ModelProto()
-        model.CopyFrom(self.model)
+        model = untie(self.model, self.manifest.untied)
         for i, t in enumerate(model.graph.initializer):
             if t.name in trained:
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[t.name].astype(numpy_helper.to_array(t).dtype), t.name))
@@ -263,7 +273,7 @@ class Pipeline:
             raise OnnxpipeError(f"{self.directory}: --check needs the original model beside the stages; pass the model instead of the directory")
         from onnxpipe.graph import load
 
-        return LocalPipeline([prepare_single(load(self.model).model, self.config, self.manifest.loss)])
+        return LocalPipeline([prepare_single(load(self.model, ties=self.ties).model, self.config, self.manifest.loss)])
 
 
 def _read_model(path: str | os.PathLike) -> onnx.ModelProto:

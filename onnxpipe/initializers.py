@@ -1,0 +1,199 @@
+"""Weights read by several nodes, decided on purpose: a real tie stays one tensor, an exporter's merge is untied.
+
+Exporters merge initializers whose values are identical (torch.onnx's default optimisation turns
+every all-ones LayerNorm weight of a fresh model into one tensor). Trained as one parameter, such a
+merge silently makes a different model: after the first step the user's separate weights would
+have moved apart. A tensor read in one module is a reuse, and a non-constant tensor read across
+modules is a tie the user made (embedding and output projection); both stay shared.
+
+Reading order: `SharedInitializer` -> `TieChoice` -> `shared_initializers` (classify and decide)
+-> `untie` (one copy per reading module) -> `module_of` (where a node came from).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxpipe.errors import OnnxpipeError
+
+__all__ = ["SharedInitializer", "TieChoice", "KINDS", "shared_initializers", "untie", "untie_in_place", "module_of", "describe"]
+
+#: "merge": constant-valued and read across modules (an exporter merged equal tensors; untied by default);
+#: "tie": read across modules with distinct values (a tie the model made); "reuse": read within one module.
+KINDS = ("merge", "tie", "reuse")
+
+
+@dataclass(frozen=True)
+class SharedInitializer:
+    """One weight read by more than one compute node, and what is done with it."""
+
+    #: The initializer's name in the user's model.
+    name: str
+    #: (node name, module name or None) of every reader, in graph order.
+    readers: tuple[tuple[str, str | None], ...]
+    #: One of `KINDS`.
+    kind: str
+    #: True: every reading module gets its own copy (trained apart); False: trained as one tensor.
+    untied: bool
+
+    @property
+    def modules(self) -> tuple[str | None, ...]:
+        return tuple(dict.fromkeys(m for _, m in self.readers))
+
+
+@dataclass(frozen=True)
+class TieChoice:
+    """The user's per-tensor overrides of the default (untie merges, keep ties and reuses)."""
+
+    #: Keep these shared (train them as one tensor).
+    tie: frozenset[str] = frozenset()
+    #: Give each reading module its own copy.
+    untie: frozenset[str] = frozenset()
+    #: True: untie exactly `untie` and keep every other (a stage directory's record of what was decided).
+    exact: bool = False
+
+    @classmethod
+    def of(cls, tie: Iterable[str] | None = None, untie: Iterable[str] | None = None) -> TieChoice:
+        choice = cls(frozenset(tie or ()), frozenset(untie or ()))
+        both = sorted(choice.tie & choice.untie)
+        if both:
+            raise OnnxpipeError(f"--tie {both[0]} and --untie {both[0]} both given; keep one")
+        return choice
+
+
+def module_of(node: onnx.NodeProto) -> str | None:
+    """The source module a node was exported from: torch's dynamo exporter records its name scopes
+    in the node's metadata; the TorchScript exporter names nodes /module/path/Op. None when unknown."""
+    meta = {p.key: p.value for p in node.metadata_props}
+    scopes = meta.get("pkg.torch.onnx.name_scopes")
+    if scopes:
+        try:
+            names = ast.literal_eval(scopes)
+        except (ValueError, SyntaxError):
+            names = None
+        if isinstance(names, list) and len(names) >= 2 and names[-2]:
+            return str(names[-2])
+    if node.name.startswith("/") and node.name.count("/") >= 2:
+        return node.name[1:].rsplit("/", 1)[0].replace("/", ".")
+    return None
+
+
+def _is_weight(tensor: onnx.TensorProto) -> bool:
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return bool(np.issubdtype(dtype, np.floating)) and int(np.prod(tensor.dims)) > 1
+
+
+def _constant_valued(tensor: onnx.TensorProto) -> bool:
+    """Every element equal (ones, zeros, a fill): what a fresh model's norms and biases hold."""
+    try:
+        values = numpy_helper.to_array(tensor)
+    except Exception:  # external data not beside the model: unknown, so not a merge
+        return False
+    return values.size > 1 and bool(np.all(values == values.flat[0]))
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[tuple[int, int]]]:
+    """(node index, input index) of every read of every tensor by a top-level node."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    for i, node in enumerate(graph.node):
+        for k, name in enumerate(node.input):
+            if name:
+                found.setdefault(name, []).append((i, k))
+    return found
+
+
+def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice()) -> tuple[SharedInitializer, ...]:
+    """Every weight read by more than one node, classified and decided (overrides in `choice`)."""
+    graph = model.graph
+    reads = _readers(graph)
+    found = []
+    for tensor in graph.initializer:
+        nodes = list(dict.fromkeys(i for i, _ in reads.get(tensor.name, ())))
+        if len(nodes) < 2 or not _is_weight(tensor):
+            continue
+        readers = tuple((graph.node[i].name or f"{graph.node[i].op_type}_{i}", module_of(graph.node[i])) for i in nodes)
+        modules = {m for _, m in readers}
+        if len(modules) == 1 and None not in modules:
+            kind = "reuse"
+        elif _constant_valued(tensor):
+            kind = "merge"
+        else:
+            kind = "tie"
+        if choice.exact:
+            untied = tensor.name in choice.untie
+        else:
+            untied = tensor.name in choice.untie or (kind == "merge" and tensor.name not in choice.tie)
+        found.append(SharedInitializer(tensor.name, readers, kind, untied))
+    names = {s.name for s in found}
+    unknown = sorted((choice.tie | choice.untie) - names)
+    if unknown:
+        have = ", ".join(sorted(names)[:12]) or "none"
+        raise OnnxpipeError(f"--tie/--untie {unknown[0]}: not a weight read by several nodes of the model (shared weights: {have})")
+    return tuple(found)
+
+
+def untie(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of `model` where each module reading one of `names` reads its own copy of it.
+
+    The first reading module keeps the original name; the others' copies are named after their
+    module (`<module>.<last part of the name>`, which gives back torch's own parameter names) or,
+    without one, `<name>.<k>`. Deterministic, so the same call on the same model names the same copies."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    untie_in_place(out, names)
+    return out
+
+
+def untie_in_place(model: onnx.ModelProto, names: Iterable[str]) -> None:
+    """`untie` without the copy (loading a large model holds it once)."""
+    wanted = set(names)
+    if not wanted:
+        return
+    graph = model.graph
+    reads = _readers(graph)
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o for n in graph.node for o in n.output}
+    inits = {t.name: t for t in graph.initializer}
+    listed = {i.name: i for i in graph.input}
+    for name in [t.name for t in graph.initializer if t.name in wanted]:
+        groups: dict[object, list[tuple[int, int]]] = {}
+        for k, (i, slot) in enumerate(reads.get(name, ())):
+            module = module_of(graph.node[i])
+            groups.setdefault(module if module is not None else ("node", i), []).append((i, slot))
+        for g, (key, slots) in enumerate(groups.items()):
+            if g == 0:
+                continue
+            base = f"{key}.{name.rsplit('.', 1)[-1]}" if isinstance(key, str) else f"{name}.{g}"
+            copy_name, n = base, 1
+            while copy_name in taken:
+                copy_name, n = f"{base}.{n}", n + 1
+            taken.add(copy_name)
+            copy = onnx.TensorProto()
+            copy.CopyFrom(inits[name])
+            copy.name = copy_name
+            graph.initializer.append(copy)
+            if name in listed:  # IR 3 lists initializers among the inputs
+                entry = graph.input.add()
+                entry.CopyFrom(listed[name])
+                entry.name = copy_name
+            for i, slot in slots:
+                graph.node[i].input[slot] = copy_name
+
+
+def describe(shared: Iterable[SharedInitializer]) -> str:
+    """One line saying what was untied and what was kept, for split/plan/train output."""
+    shared = tuple(shared)
+    untied = [s for s in shared if s.untied]
+    kept = [s for s in shared if not s.untied]
+    parts = []
+    if untied:
+        parts.append(f"untied {len(untied)} ({', '.join(f'{s.name} [{s.kind}, {len(s.modules)} modules]' for s in untied[:4])}"
+                     f"{' ...' if len(untied) > 4 else ''})")
+    if kept:
+        parts.append(f"kept {len(kept)} shared ({', '.join(f'{s.name} [{s.kind}]' for s in kept[:4])}{' ...' if len(kept) > 4 else ''})")
+    return "shared weights: " + "; ".join(parts) + "; override with --tie/--untie NAME"

@@ -1,0 +1,44 @@
+"""transformers' GPT-2 (2 layers, vocab 256, d 64, freshly initialised) exported by torch.onnx's dynamo exporter
+(tools/export_torch_fixtures.py): pipelined training reproduces the losses PyTorch's own SGD reached on the same
+batches, and the exported weights come back under torch's parameter names with torch's trained values.
+
+The default export merges the five all-ones LayerNorm weights into one initializer (and the zeros into
+another); trained as one tensor they would stay equal, where torch's move apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from onnxpipe.train.optimizer import OptimizerConfig
+from onnxpipe.train.pipeline import Pipeline
+
+DATA = Path(__file__).parent / "data"
+REFERENCE = json.loads((DATA / "torch_gpt2.json").read_text())
+BATCHES = np.load(DATA / "torch_gpt2.npz")
+
+
+def _train(model: str, stages: int, schedule: str, export: Path | None = None, **options: object) -> list[float]:
+    with Pipeline(DATA / model, "cpu4", stages=stages, batch=REFERENCE["batch"], microbatches=2, schedule=schedule,
+                  optimizer=OptimizerConfig("sgd", lr=REFERENCE["lr"]), processes=False, **options) as pipe:
+        assert pipe.stages == stages
+        losses = [pipe.train_step({"input_ids": BATCHES["input_ids"][s], "labels": BATCHES["labels"][s]}) for s in range(REFERENCE["steps"])]
+        if export is not None:
+            pipe.export(export)
+    return losses
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+def test_pipelined_training_reproduces_pytorch_sgd(stages: int, schedule: str, tmp_path: Path) -> None:
+    losses = _train("torch_gpt2_dynamo.onnx", stages, schedule, export=tmp_path / "trained.onnx")
+    np.testing.assert_allclose(losses, REFERENCE["losses"], rtol=1e-5)
+    trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
+    norms = [k.removeprefix("final/") for k in BATCHES.files if k.startswith("final/")]
+    assert len(norms) == 10 and set(norms) <= set(REFERENCE["parameters"])
+    for name in norms:
+        np.testing.assert_allclose(trained[name], BATCHES[f"final/{name}"], atol=1e-6, err_msg=name)
