@@ -29,13 +29,14 @@ __all__ = ["write", "model_costs", "gantt_figure", "memory_figure", "model_figur
 COLORS = {
     "F": "#4C72B0",
     "B": "#DD8452",
+    "W": "#E8B07A",
     "SEND": "#8172B3",
     "RECV": "#B3A2D9",
     "ALLREDUCE": "#C44E52",
     "STEP": "#55A868",
     "idle": "#EEEEEE",
 }
-_LABELS = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "receive", "ALLREDUCE": "all-reduce", "STEP": "optimizer step", "idle": "idle"}
+_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients", "SEND": "send", "RECV": "receive", "ALLREDUCE": "all-reduce", "STEP": "optimizer step", "idle": "idle"}
 _MEMORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
 
 
@@ -125,7 +126,7 @@ def gantt_figure(simulation: Simulation, plan: Plan, measured: Sequence[Event] |
         ax.grid(axis="x", color="#cccccc", linewidth=0.5)
         ax.set_axisbelow(True)
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    kinds = ("F", "B", "SEND", "RECV", "ALLREDUCE", "STEP", "idle")
+    kinds = tuple(c for c in ("F", "B", "W", "SEND", "RECV", "ALLREDUCE", "STEP", "idle") if c != "W" or any(e.kind == "W" for _, events in timelines for e in events))
     fig.legend([Patch(color=COLORS[c]) for c in kinds], [_LABELS[c] for c in kinds], loc="upper right", ncol=len(kinds), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig

@@ -33,7 +33,7 @@ from onnxpipe.train.worker import OPS, worker_main
 __all__ = ["StepStats", "ProcessPipeline", "PHASES"]
 
 #: How a worker's op reads in an error message.
-PHASES = {"F": "forward", "B": "backward", "STEP": "optimizer step", "RECV_F": "receiving activations", "SEND_F": "sending activations",
+PHASES = {"F": "forward", "B": "backward", "W": "weight gradients", "STEP": "optimizer step", "RECV_F": "receiving activations", "SEND_F": "sending activations",
           "RECV_B": "receiving gradients", "SEND_B": "sending gradients", "setup": "setup", "evaluate": "evaluate", "idle": "idle"}
 #: Seconds a worker gets to build its sessions.
 _START_TIMEOUT = 300.0

@@ -13,11 +13,12 @@ import onnx
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
-from onnxpipe.schedule import add_communication, build, replicate
+from onnxpipe.schedule import SCHEDULES, Table, add_communication, build, replicate, table
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
 from onnxpipe.train.optimizer import OptimizerConfig
+from onnxpipe.train.splitgrad import split_backward
 from onnxpipe.train.stage import StageSpec, Wiring
 
 __all__ = ["TrainConfig", "RECOMPUTE", "prepare_stages", "prepare_single", "model_inputs"]
@@ -76,7 +77,9 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
     k = len(manifest.stages)
     layout = Layout(replicas or tuple(max(1, len(st.devices)) for st in manifest.stages))
     _ensure_replicas(layout, k)
-    rows = replicate(add_communication(build(config.schedule, k, config.microbatches)), layout.replicas)
+    compute = table(config.schedule, k, config.microbatches)
+    split = any(a.op == "W" for row in compute for a in row)
+    rows = replicate(stage_rows(add_communication(compute), k), layout.replicas)
     graphs: dict[int, StageGraphs] = {}
     grad_readers: dict[str, list[int]] = {}
     models = {}
@@ -116,10 +119,19 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
             send_b=tuple((i, holder[i]) for i in g.grad_inputs),
             shared=tuple((p, tuple(x for x in shared[p] if x != st.index)) for p in g.trained if p in shared),
         )
+        halves = split_backward(g) if split and g.backward else None
         for j in range(layout.count(st.index)):
             specs.append(StageSpec(st.index, g, wiring, rows[layout.worker(st.index, j)], config.microbatches, config.optimizer,
-                                   threads[st.index] if threads else config.threads, j, layout))
+                                   threads[st.index] if threads else config.threads, j, layout, halves))
     return tuple(specs)
+
+
+def stage_rows(lowered: Table, stages: int) -> Table:
+    """One row per stage: a device holding several stages (interleaved 1F1B, ZB-V) gives each its own
+    worker, running its actions in the device's order (a subsequence of a deadlock-free order)."""
+    if len(lowered) == stages:
+        return lowered
+    return tuple(tuple(a for row in lowered for a in row if a.stage == s) for s in range(stages))
 
 
 def _ensure_replicas(layout: Layout, stages: int) -> None:
@@ -137,6 +149,7 @@ def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None
     params = [t.name for t in model.graph.initializer if is_trainable_initializer(t)]
     g = build_stage_graphs(model, params=params, grad_inputs=(), grad_outputs=(), loss=loss,
                            recompute=False, origin=f"model {model.graph.name or '<model>'}")
-    table = add_communication(build(config.schedule, 1, config.microbatches))
+    # The reference runs each backward whole whatever the pipeline's schedule: same sums, in micro-batch order.
+    row = add_communication(build(config.schedule if config.schedule in SCHEDULES else "1f1b", 1, config.microbatches))
     inputs = tuple(i for i in g.inputs)
-    return StageSpec(0, g, Wiring(inputs, (), (), (), ()), table[0], config.microbatches, config.optimizer, config.threads)
+    return StageSpec(0, g, Wiring(inputs, (), (), (), ()), row[0], config.microbatches, config.optimizer, config.threads)

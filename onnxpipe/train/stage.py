@@ -22,6 +22,7 @@ from onnxpipe.schedule import Action
 from onnxpipe.train.graphs import StageGraphs, grad_input_name, grad_name
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.optimizer import Optimizer, OptimizerConfig
+from onnxpipe.train.splitgrad import SplitBackward
 from onnxpipe.train.transport import Transport, grad_key, shared_key
 
 __all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session", "mean_loss", "post_inputs"]
@@ -61,6 +62,8 @@ class StageSpec:
     #: Which replica of the stage this worker is, and every stage's replica count.
     replica: int = 0
     layout: Layout = Layout()
+    #: The backward as B and W (`splitgrad`) when the schedule has W actions; None: B runs it whole.
+    split: SplitBackward | None = None
 
     @property
     def worker(self) -> int:
@@ -92,6 +95,11 @@ class StageRunner:
         self.optimizer = Optimizer(self.spec.optimizer)
         self._forward = make_session(g.forward, self.spec.threads)
         self._backward = make_session(g.backward, self.spec.threads) if g.backward else None
+        split = self.spec.split
+        self._b = make_session(split.b, self.spec.threads) if split and split.b else None
+        self._w = make_session(split.w, self.spec.threads) if split and split.w else None
+        #: Per micro-batch, what W reads between B and W (a split backward).
+        self._w_stash: dict[int, dict[str, np.ndarray]] = {}
         self._fwd_names = list(dict.fromkeys(g.outputs + ((g.loss,) if g.loss else ()) + g.stash))
         self._bwd_grads = [grad_name(x) for x in g.grad_inputs + g.trained]
         self._stash: dict[int, dict[str, np.ndarray]] = {}
@@ -116,6 +124,8 @@ class StageRunner:
         return {x: result[x] for x in g.outputs + ((g.loss,) if g.loss else ())}
 
     def backward(self, microbatch: int, output_grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The gradients of the stage inputs; the weight gradients are summed here too, or with a split
+        backward (`spec.split`) only those B makes, the rest kept for `weight`."""
         g = self.spec.graphs
         if self._backward is None:
             return {}
@@ -123,14 +133,50 @@ class StageRunner:
         self._stash_bytes -= sum(v.nbytes for v in keep.values())
         feeds = {**keep, **{x: self.params[x] for x in g.backward_inputs if x in self.params}}
         feeds.update({grad_input_name(o): output_grads[o] for o in g.grad_outputs})
+        if self.spec.split is not None:
+            return self._input_backward(microbatch, feeds)
         start = time.perf_counter()
         values = self._backward.run(self._bwd_grads, feeds)
         n = len(g.grad_inputs)
-        for name, value in zip(g.trained, values[n:]):
-            acc = self.grads.get(name)
-            self.grads[name] = value if acc is None else acc + value
+        self._add_grads(g.trained, values[n:])
         self.busy_seconds += time.perf_counter() - start
         return dict(zip(g.grad_inputs, values[:n]))
+
+    def _input_backward(self, microbatch: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """B of a split backward: input gradients now; what W reads is held until `weight`."""
+        g, split = self.spec.graphs, self.spec.split
+        assert split is not None
+        made: dict[str, np.ndarray] = {}
+        if self._b is not None:
+            start = time.perf_counter()
+            names = [grad_name(x) for x in g.grad_inputs + split.b_trained] + list(split.left)
+            made = dict(zip(names, self._b.run(names, {x: feeds[x] for x in split.b_inputs})))
+            self._add_grads(split.b_trained, [made[grad_name(p)] for p in split.b_trained])
+            self.busy_seconds += time.perf_counter() - start
+        if self._w is not None:
+            held = {x: made[x] if x in made else feeds[x] for x in split.w_inputs if x not in self.params}
+            self._w_stash[microbatch] = held
+            self._stash_bytes += sum(v.nbytes for v in held.values())
+            self.peak_stash_bytes = max(self.peak_stash_bytes, self._stash_bytes)
+        return {x: made[grad_name(x)] for x in g.grad_inputs}
+
+    def weight(self, microbatch: int) -> None:
+        """W of a split backward: the weight gradients B left, summed over the step's micro-batches."""
+        split = self.spec.split
+        if self._w is None or split is None:
+            return
+        held = self._w_stash.pop(microbatch)
+        self._stash_bytes -= sum(v.nbytes for v in held.values())
+        start = time.perf_counter()
+        names = [grad_name(p) for p in split.w_trained]
+        values = self._w.run(names, {**held, **{x: self.params[x] for x in split.w_inputs if x in self.params}})
+        self._add_grads(split.w_trained, values)
+        self.busy_seconds += time.perf_counter() - start
+
+    def _add_grads(self, params: Sequence[str], values: Sequence[np.ndarray]) -> None:
+        for name, value in zip(params, values):
+            acc = self.grads.get(name)
+            self.grads[name] = value if acc is None else acc + value
 
     def mean_grads(self) -> dict[str, np.ndarray]:
         """Gradients of the mean loss over the step's micro-batches (zero for a replica that ran none)."""
@@ -231,6 +277,8 @@ class StageProgram:
             self._grads_in[i] = got
         elif action.op == "B":
             self._outbox[i] = r.backward(i, self._grads_in.pop(i, {}))
+        elif action.op == "W":
+            r.weight(i)
         elif action.op == "SEND_B":
             out = self._outbox.pop(i)
             for t, src in w.send_b:

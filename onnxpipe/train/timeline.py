@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["step_events", "write_report"]
 
 #: Executor ops as timeline kinds: a RECV bar spans waiting for the data and copying it out.
-_KINDS = {"F": "F", "B": "B", "RECV_F": "RECV", "RECV_B": "RECV", "SEND_F": "SEND", "SEND_B": "SEND", "STEP": "STEP"}
+_KINDS = {"F": "F", "B": "B", "W": "W", "RECV_F": "RECV", "RECV_B": "RECV", "SEND_F": "SEND", "SEND_B": "SEND", "STEP": "STEP"}
 
 
 def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, float]]], stages: Sequence[int] | None = None) -> tuple[Event, ...]:

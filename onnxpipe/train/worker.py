@@ -25,7 +25,7 @@ __all__ = ["worker_main", "OPS", "peak_rss_bytes"]
 _PR_SET_PDEATHSIG = 1
 
 #: Op codes written to the shared `current` array; index 0 means idle.
-OPS = ("idle", "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "STEP", "setup", "evaluate")
+OPS = ("idle", "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "STEP", "setup", "evaluate", "W")
 
 
 def peak_rss_bytes() -> int:
