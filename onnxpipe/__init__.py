@@ -11,7 +11,8 @@ from onnxpipe.verify import verify
 from onnxpipe.plan import Plan, evaluate, lower_bound, plan_model
 from onnxpipe.plan import plan as make_plan
 from onnxpipe.train.pipeline import Pipeline
-from onnxpipe.simulate import Simulation, simulate
+from onnxpipe.plan import simulate_plan as simulate
+from onnxpipe.simulate import Simulation
 
 __all__ = ["annotate", "TieChoice", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline", "make_plan", "plan_model", "evaluate", "lower_bound", "Plan", "simulate", "Simulation"]
 __version__ = "0.1.0"

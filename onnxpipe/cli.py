@@ -578,12 +578,12 @@ def simulate_command(
     from rich.table import Table
 
     from onnxpipe import schedule as schedules
-    from onnxpipe.simulate import plan_target, read_plan, simulate
+    from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
     from onnxpipe.fileio import write_json
     from onnxpipe.units import format_bytes
 
     plan = read_plan(plan_path)
-    sim = simulate(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
+    sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
     ms = 1e3
     table = Table(title=f"{len(plan.stages)} stages, {sim.schedule}, {sim.microbatches} micro-batches, batch {sim.batch}")
     for column in ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"):
@@ -614,10 +614,10 @@ def report_command(
 ) -> None:
     """Write one HTML page about a plan: stage table, schedule Gantt chart, memory per device, the model by stage."""
     from onnxpipe import report
-    from onnxpipe.simulate import plan_target, read_plan, simulate
+    from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
 
     plan = read_plan(plan_path)
-    sim = simulate(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
+    sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
     with console.status("drawing ..."):
         found = report.model_costs(plan, model)
         graph, costs = found if found else (None, None)

@@ -1,12 +1,12 @@
-"""Event-driven simulation of a plan's schedule on its target: the timeline, the bubble, memory over time.
+"""Event-driven simulation of a schedule table over priced stages on a target: the timeline, the bubble,
+memory over time. It reads one `StageCost` per stage (`onnxpipe.pricing.stage`), never a plan.
 
-Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public entry) ->
-`_stage_costs` (what one stage costs per micro-batch under the chosen micro-batch count) ->
-`_run` (the event loop over the lowered action table, with `_Links` sharing link bandwidth and
-`_Cores` assigning a host's cores).
+Reading order: `Event`, `Simulation` (the frozen result) -> `simulate` (public entry) -> `_Run` (the
+event loop over the lowered action table: `step` advances every worker as far as it can, one small
+method per action kind), with `_Links` sharing link bandwidth and `_Cores` assigning a host's cores.
 
 Model, in one paragraph. Each stage runs the actions of `schedule.add_communication(table)` in
-order on its device(s). F and B take the plan's per-micro-batch seconds (a recomputing stage's
+order on its device(s). F and B take the stage's per-micro-batch seconds (a recomputing stage's
 backward seconds already include its second forward) plus the device's fixed `action_overhead`;
 B also hands the stage's weight gradients to the executor, which sums them over the micro-batches
 (gradient bytes / the device's `gradient_bandwidth`, measured: the profile's node times miss it).
@@ -18,25 +18,25 @@ other links move data in the background (DMA). An "shm" link with the workers' C
 (`send_overhead`, `send_bandwidth`, `recv_overhead`: measured, tools/measure_cpu.py messages) prices
 the copy as the sender's CPU instead: a SEND takes send_overhead + bytes / send_bandwidth on a core
 and the message arrives its latency (the wake-up) later; a RECV whose message has arrived takes
-recv_overhead on a core before the worker's next action. On a target with `cores`, the F and B of its cpu
+recv_overhead on a core before the worker's next action. On a target whose host model has `cores`, the F and B of its cpu
 devices run on that many cores (less what `background` work takes): a worker that becomes
-runnable takes a free core or waits for one, as the OS assigns them (`_Cores`); with the target's
+runnable takes a free core or waits for one, as the OS assigns them (`_Cores`); with the host's
 `time_slice` (measured), a worker that computes through a slice while others wait goes to the back
 of the queue and the first waiting takes its core (round robin), else it keeps the core until it
-blocks. An action's event spans its wall time, waits between its slices included. With the target's
+blocks. An action's event spans its wall time, waits between its slices included. With the host's
 `switch_cost` (measured), a worker that gets a core another worker held last does that much more work
 (its caches refill). While two or more
 workers compute at once and their working sets (static memory plus one micro-batch's stash each)
-together overflow the target's `shared_cache`, each action runs slower by its stage's
-`corun_slowdown` (the plan's, from the target's `corun_bandwidth`: its weights and their gradients
+together overflow the host's `shared_cache`, each action runs slower by its stage's
+`corun_slowdown` (the stage cost's, from the host's `corun_bandwidth`: its weights and their gradients
 come from memory, fought over; measured, tools/measure_cpu.py). `cores` is measured with workers
 whose working sets fit the shared cache together, so the two do not count the same contention twice.
 A replicated stage runs one worker per device, as the executor does: replica j of stage s runs
 the micro-batches i with i % r == j (`schedule.replicate`) at the full per-micro-batch time (a
-plan's per-micro-batch seconds of a replicated stage are throughput figures, busy / r), and
+stage cost's per-micro-batch seconds of a replicated stage are throughput figures, busy / r), and
 receives each from, and sends each to, the replica of the neighbouring stage that owns it. STEP
 waits for every other holder of its weights (its replicas, and for tied weights every worker of
-the stages holding a copy: `StagePlan.tied`) to reach its STEP, then exchanges gradients with them
+the stages holding a copy: `StageCost.tied`) to reach its STEP, then exchanges gradients with them
 (ring all-reduces) and runs the optimizer step (one pass over
 parameters, gradients and optimizer state at the device's memory bandwidth). The iteration ends the
 devices' `step_overhead` after the last STEP (the driver's share of a step: posting, starting, collecting).
@@ -54,18 +54,16 @@ Definitions shared with the executor's measurements:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.plan.result import Plan, StagePlan
-from onnxpipe.pricing.timemodel import allreduce_seconds, message_cpu
-from onnxpipe.target import HostModel, Target, load_target
+from onnxpipe.pricing.stage import StageCost
+from onnxpipe.pricing.timemodel import message_cpu
+from onnxpipe.target import HostModel, Target
 
-__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "read_plan", "plan_target", "stash_bytes"]
+__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate"]
 
 #: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
 EVENT_KINDS = ("F", "B", "SEND", "RECV", "ALLREDUCE", "STEP")
@@ -145,145 +143,37 @@ class Simulation:
         }
 
 
-@dataclass(frozen=True)
-class _StageCost:
-    """What one stage costs per micro-batch, at the simulated micro-batch size."""
-
-    forward: float
-    #: Backward seconds (including the recomputed forward when the stage recomputes).
-    backward: float
-    #: Bytes of activations sent per micro-batch (gradients of the same size come back).
-    out_bytes: float
-    #: Bytes stashed per micro-batch from its F until its B.
-    stash: float
-    #: Extra bytes held while its backward runs (the recomputed activations).
-    during_backward: float
-    #: Gradient exchange at STEP: the all-reduce over its replicas, and over every holder of its tied weights.
-    allreduce: float
-    step: float
-
-
-def simulate(
-    plan: Plan, target: Target, *, schedule: str | None = None, microbatches: int | None = None, background: float = 0.0
-) -> Simulation:
-    """Simulate one training iteration of `plan` on `target`.
-
-    `schedule` and `microbatches` override the plan's; the global batch stays the same, so
-    per-micro-batch times, transfers and stashes scale linearly with the micro-batch size, and
-    the number of micro-batches in flight is re-derived from the new table. `background`: runnable
-    processes of other work competing for a target's shared `cores` (a measured run queue), 0 on a
-    quiet machine.
-    """
-    name = schedule or plan.schedule
-    m = microbatches or plan.microbatches
-    if m > plan.batch:
-        raise OnnxpipeError(f"{m} micro-batches exceed the batch of {plan.batch}; pass --microbatches at most {plan.batch}")
-    _ensure_devices(plan, target)
-    table = sched.build(name, len(plan.stages), m)
-    costs = tuple(_stage_cost(plan, stage, target, m) for stage in plan.stages)
-    events, memory, end = _run(plan, target, table, costs, background)
-    places = _places(plan)
+def simulate(table: sched.Table, stages: tuple[StageCost, ...], target: Target, *, schedule: str, batch: int, background: float = 0.0) -> Simulation:
+    """Simulate one training iteration of the schedule `table` (named `schedule`, for the record) over
+    `stages`, priced at the table's micro-batch size, on `target`, for a global batch of `batch` samples.
+    `background`: runnable processes of other work competing for the host's shared `cores` (a measured
+    run queue), 0 on a quiet machine."""
+    run = _Run(table, stages, target, background)
+    events, memory, end = run.run()
+    places = run.places
     busy_w = [sum(e.end - e.start for e in events if (e.stage, e.replica) == place and e.kind in _COMPUTE) for place in places]
     peak_w = [max(b for _, b in samples) for samples in memory]
-    mine = [[w for w, (s, _) in enumerate(places) if s == i] for i in range(len(plan.stages))]
+    mine = [[w for w, (s, _) in enumerate(places) if s == i] for i in range(len(stages))]
     fullest = [max(ws, key=lambda w: peak_w[w]) for ws in mine]
-    iteration = end + max(target.device(d).step_overhead for stage in plan.stages for d in stage.devices)
+    iteration = end + max(c.step_overhead for c in stages)
     bubble = 1.0 - sum(busy_w) / (len(places) * iteration) if iteration > 0 else 0.0
     return Simulation(
-        schedule=name,
-        microbatches=m,
-        batch=plan.batch,
+        schedule=schedule,
+        microbatches=sum(1 for a in table[0] if a.op == "F"),
+        batch=batch,
         iteration_seconds=iteration,
-        samples_per_s=plan.batch / iteration if iteration > 0 else math.inf,
+        samples_per_s=batch / iteration if iteration > 0 else math.inf,
         bubble_fraction=bubble,
         busy_seconds=tuple(max(busy_w[w] for w in ws) for ws in mine),
         peak_memory_bytes=tuple(peak_w[w] for w in fullest),
-        static_memory_bytes=tuple(_static_bytes(s) for s in plan.stages),
-        capacity_bytes=tuple(s.memory.capacity for s in plan.stages),
-        devices=tuple(s.devices for s in plan.stages),
+        static_memory_bytes=tuple(c.memory.static for c in stages),
+        capacity_bytes=tuple(c.memory.capacity for c in stages),
+        devices=tuple(c.devices for c in stages),
         events=events,
         memory=tuple(memory[w] for w in fullest),
         replica_busy_seconds=tuple(tuple(busy_w[w] for w in ws) for ws in mine),
         replica_peak_memory_bytes=tuple(tuple(peak_w[w] for w in ws) for ws in mine),
     )
-
-
-def _places(plan: Plan) -> list[tuple[int, int]]:
-    """(stage, replica) of every worker, stage-major (the executor's worker order)."""
-    return [(s, j) for s, stage in enumerate(plan.stages) for j in range(len(stage.devices))]
-
-
-def read_plan(path: str | os.PathLike) -> Plan:
-    """A plan from its JSON file or from a stage directory (which holds plan.json)."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "plan.json").is_file():
-            raise OnnxpipeError(f"{path}: no plan.json in this directory; pass a plan JSON or a directory written by `onnxpipe split`")
-        path = path / "plan.json"
-    return Plan.read(path)
-
-
-def plan_target(plan: Plan, target: str | None = None) -> Target:
-    """The target named by `target`, else the one the plan was made for."""
-    return load_target(target or plan.target)
-
-
-def stash_bytes(plan: Plan, stage: StagePlan) -> tuple[float, float]:
-    """(bytes stashed per micro-batch, extra bytes held during a backward) on the replica that runs it,
-    at the plan's own micro-batch size.
-
-    The peak activations of a plan are held x stash without recompute, and held x inputs + one
-    micro-batch's full activations (rebuilt during its backward) with recompute; held = ceil(in flight
-    / replicas), the whole micro-batches one replica holds at once. The stash is the
-    plan's `stash_bytes` when given, else derived from the peak (inputs = the bytes it receives).
-    """
-    table = sched.build(plan.schedule, len(plan.stages), plan.microbatches)
-    # A replica holds whole micro-batches: the most of any `in flight` consecutive ones it owns.
-    live = math.ceil(max(sched.in_flight(table[stage.index]), 1) / len(stage.devices))
-    if not stage.recompute:
-        return stage.stash_bytes or stage.memory.activations / live, 0.0
-    inputs = min(stage.stash_bytes or stage.comm_in_bytes, stage.memory.activations / live)
-    return inputs, stage.memory.activations - live * inputs
-
-
-def _static_bytes(stage: StagePlan) -> float:
-    return stage.memory.parameters + stage.memory.gradients + stage.memory.optimizer
-
-
-def _stage_cost(plan: Plan, stage: StagePlan, target: Target, m: int) -> _StageCost:
-    """Per micro-batch on one replica. A replicated stage's plan times are per-micro-batch shares
-    (busy / r); a replica runs whole micro-batches, so it takes r times as long per micro-batch. Its
-    stash is already per whole micro-batch (`stash_bytes`)."""
-    scale = plan.microbatches / m
-    whole = scale * len(stage.devices)
-    stash, during = stash_bytes(plan, stage)
-    bandwidth = min(target.device(d).memory_bandwidth for d in stage.devices)
-    step_bytes = 2 * stage.memory.parameters + stage.memory.gradients + 2 * stage.memory.optimizer
-    overhead = max(target.device(d).action_overhead for d in stage.devices)
-    rates = (target.device(d).gradient_bandwidth for d in stage.devices)
-    handing = max((stage.memory.gradients / rate for rate in rates if rate), default=0.0)
-    return _StageCost(
-        forward=stage.forward_seconds * whole + overhead,
-        backward=stage.backward_seconds * whole + overhead + handing,
-        out_bytes=stage.comm_out_bytes * scale,
-        stash=stash * scale,
-        during_backward=during * scale,
-        allreduce=allreduce_seconds(target, stage.devices, stage.memory.gradients)
-        + allreduce_seconds(target, tuple(d for s in sorted({stage.index, *stage.tied}) for d in plan.stages[s].devices), stage.tied_bytes),
-        step=step_bytes / bandwidth,
-    )
-
-
-def _ensure_devices(plan: Plan, target: Target) -> None:
-    names = {d.name for d in target.devices}
-    for stage in plan.stages:
-        if not stage.devices:
-            raise OnnxpipeError(f"plan stage {stage.index} has no device; regenerate the plan with `onnxpipe plan`")
-        for d in stage.devices:
-            if d not in names:
-                raise OnnxpipeError(
-                    f"plan stage {stage.index} runs on {d!r}, which target {target.name!r} does not have; pass the plan's own target with --target"
-                )
 
 
 class _Links:
@@ -334,22 +224,22 @@ class _Links:
 
 
 class _Cores:
-    """cpu workers on the target's cores, assigned as the OS scheduler does: a worker holds a core from
+    """cpu workers on the host's cores, assigned as the OS scheduler does: a worker holds a core from
     when it becomes runnable until it blocks (waits for a transfer that has not arrived, or for the other
     holders at STEP, or has finished its row), not only while it computes (sends, receives and their
     bookkeeping take the processor too). A worker that needs a core to compute while ceil(available) are
     held waits, first come first served, until one is released; the holders share the available cores
-    (min(1, available / holders) each). With the target's `time_slice` (measured: the scheduler preempts
+    (min(1, available / holders) each). With the host's `time_slice` (measured: the scheduler preempts
     a busy process after it while others are runnable), holding runs in slices from when the worker got
     its core: at the end of a slice during which workers wait, a computing holder goes to the back of
     the queue with the rest of its action and the first waiting worker takes the core (round robin; the
     action's event spans it all, waits included, as the executor times it). Without it, a holder keeps its
     core until it blocks (the OS for actions shorter than its slices). Cores have identities: a worker
     takes the free core it held last, else one nobody has held, else the first free one; when another
-    worker held that core last, its action gets the target's `switch_cost` of extra work (caches and TLB
+    worker held that core last, its action gets the host's `switch_cost` of extra work (caches and TLB
     refill). While other workers compute too
     and the computing workers' working sets (static memory plus one micro-batch's stash each) overflow
-    the target's `shared_cache`, a worker's action runs 1 + its stage's `corun_slowdown` times slower
+    the host's `shared_cache`, a worker's action runs 1 + its stage's `corun_slowdown` times slower
     (their weights come from memory, fought over).
 
     Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
@@ -357,7 +247,7 @@ class _Cores:
     Beyond that, the workers together keep a 1 / (1 + background) share:
     available = max(cores - background, cores / (1 + background))."""
 
-    def __init__(self, plan: Plan, target: Target, costs: tuple[_StageCost, ...], background: float) -> None:
+    def __init__(self, workers: list[tuple[StageCost, str]], target: Target, background: float) -> None:
         host = target.host or HostModel()
         self.cores = max(host.cores - background, host.cores / (1 + background))
         self._cache = host.shared_cache
@@ -368,10 +258,10 @@ class _Cores:
         self._last: list[int | None] = [None] * self._slots
         self._core: dict[int, int] = {}
         #: Per worker (stage-major): whether it computes on the shared cores.
-        self.shared = tuple(host.cores > 0 and target.device(d).kind == "cpu" for st in plan.stages for d in st.devices)
+        self.shared = tuple(host.cores > 0 and target.device(d).kind == "cpu" for _, d in workers)
         #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
-        self._corun = tuple(st.corun_slowdown for st in plan.stages for _ in st.devices)
-        self._working = tuple(_static_bytes(st) + costs[s].stash for s, st in enumerate(plan.stages) for _ in st.devices)
+        self._corun = tuple(c.corun_slowdown for c, _ in workers)
+        self._working = tuple(c.memory.static + c.stash for c, _ in workers)
         #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action].
         self.active: dict[int, list[Any]] = {}
         #: Workers holding a core (computing or not) -> when they got it.
@@ -448,144 +338,191 @@ class _Cores:
         return finished
 
 
-def _run(
-    plan: Plan, target: Target, table: sched.Table, costs: tuple[_StageCost, ...], background: float
-) -> tuple[tuple[Event, ...], tuple[tuple[tuple[float, float], ...], ...], float]:
-    """The event loop over one row per worker (stage, replica): advance every worker as far as it can at
-    `now`, then jump to the next event. Returns the events, memory samples per worker and the end time."""
-    places = _places(plan)
-    rows = sched.replicate(sched.add_communication(table), tuple(len(st.devices) for st in plan.stages))
-    first = {s: places.index((s, 0)) for s in range(len(plan.stages))}
+#: A transfer: ("F" | "B", receiving stage, micro-batch).
+_Key = tuple[str, int, int]
 
-    def owner(stage: int, mb: int) -> int:
-        return first[stage] + mb % len(plan.stages[stage].devices)
 
-    n = len(rows)
-    cursor = [0] * n
-    free_at = [0.0] * n
-    #: A sender on a copying ("shm") link waits for its transfer's arrival before its next action.
-    blocked_on: list[tuple[str, int, int] | None] = [None] * n
-    #: Per worker: the transfer key of the SEND or RECV whose CPU it is spending (links that charge it).
-    message: list[tuple[str, int, int] | None] = [None] * n
-    #: Transfer key ("F"|"B", receiving stage, micro-batch) -> start, arrival.
-    started: dict[tuple[str, int, int], float] = {}
-    arrived: dict[tuple[str, int, int], float] = {}
-    #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
-    at_step: set[int] = set()
-    #: Per stage: the workers whose STEP exchanges gradients with its own (its replicas, the tied stages').
-    holders = [[owner(t, i) for t in sorted({s, *st.tied}) for i in range(len(plan.stages[t].devices))] for s, st in enumerate(plan.stages)]
-    events: list[Event] = []
-    live = [_static_bytes(plan.stages[s]) for s, _ in places]
-    memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in live]
-    links = _Links(target)
-    cores = _Cores(plan, target, costs, background)
-    now = 0.0
+class _Run:
+    """The event loop over one row per worker (stage, replica), stage-major as the executor orders them:
+    `step` advances every worker as far as it can at `now`, then `run` jumps to the next event."""
 
-    def mem(w: int, t: float, delta: float) -> None:
-        live[w] += delta
-        memory[w].append((t, live[w]))
+    def __init__(self, table: sched.Table, stages: tuple[StageCost, ...], target: Target, background: float) -> None:
+        self.stages, self.target = stages, target
+        #: (stage, replica) of every worker.
+        self.places = [(s, j) for s, c in enumerate(stages) for j in range(c.replicas)]
+        self.rows = sched.replicate(sched.add_communication(table), tuple(c.replicas for c in stages))
+        self._first = {s: self.places.index((s, 0)) for s in range(len(stages))}
+        n = len(self.rows)
+        self.cursor = [0] * n
+        self.free_at = [0.0] * n
+        #: A sender on a copying ("shm") link waits for its transfer's arrival before its next action.
+        self.blocked_on: list[_Key | None] = [None] * n
+        #: Per worker: the transfer key of the SEND or RECV whose CPU it is spending (links that charge it).
+        self.message: list[_Key | None] = [None] * n
+        #: Transfer key -> start, arrival.
+        self.started: dict[_Key, float] = {}
+        self.arrived: dict[_Key, float] = {}
+        #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
+        self.at_step: set[int] = set()
+        #: Per stage: the workers whose STEP exchanges gradients with its own (its replicas, the tied stages').
+        self.holders = [[self.owner(t, i) for t in sorted({s, *c.tied}) for i in range(stages[t].replicas)] for s, c in enumerate(stages)]
+        self.events: list[Event] = []
+        self.live = [stages[s].memory.static for s, _ in self.places]
+        self.memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in self.live]
+        self.links = _Links(target)
+        self.cores = _Cores([(stages[s], stages[s].devices[j]) for s, j in self.places], target, background)
+        self.now = 0.0
 
-    def finish(w: int, op: str, mb: int, start: float, end: float) -> None:
-        s, j = places[w]
-        free_at[w] = end
-        if op.startswith("SEND"):  # its event spans until arrival, added then
-            key, message[w] = message[w], None
-            links.land(end + target.link(*link_of(key)).latency, key)
-            return
-        if op.startswith("RECV"):
-            key, message[w] = message[w], None
-            events.append(Event(s, "RECV", mb, started[key], end, j))
-            return
-        events.append(Event(s, op, mb, start, end, j))
-        if op == "B":
-            mem(w, end, -costs[s].stash - costs[s].during_backward)
+    def owner(self, stage: int, mb: int) -> int:
+        """The worker (replica of `stage`) that runs micro-batch `mb`."""
+        return self._first[stage] + mb % self.stages[stage].replicas
 
-    def link_of(key: tuple[str, int, int]) -> tuple[str, str]:
+    def device(self, w: int) -> str:
+        s, j = self.places[w]
+        return self.stages[s].devices[j]
+
+    def link_of(self, key: _Key) -> tuple[str, str]:
         """(sender's device, receiver's device) of a transfer."""
         kind, receiver, mb = key
-        src, dst = places[owner(receiver - 1 if kind == "F" else receiver + 1, mb)], places[owner(receiver, mb)]
-        return plan.stages[src[0]].devices[src[1]], plan.stages[dst[0]].devices[dst[1]]
+        return self.device(self.owner(receiver - 1 if kind == "F" else receiver + 1, mb)), self.device(self.owner(receiver, mb))
 
-    def compute(w: int, work: float, op: str, mb: int) -> None:
-        """Run `work` seconds of the worker's CPU: on the shared cores, or on its own device."""
-        if cores.shared[w]:
-            cores.start(now, w, work, op, mb)
-            free_at[w] = math.inf
-        else:
-            finish(w, op, mb, now, now + work)
+    def run(self) -> tuple[tuple[Event, ...], tuple[tuple[tuple[float, float], ...], ...], float]:
+        """The events, memory samples per worker and the end time."""
+        n = len(self.rows)
+        while True:
+            self.step()
+            if all(self.cursor[w] == len(self.rows[w]) for w in range(n)):
+                break
+            later = min([t for t in self.free_at if t > self.now] + [self.links.next_time(self.now), self.cores.next_time(self.now)])
+            if math.isinf(later):
+                stuck = next(w for w in range(n) if self.cursor[w] < len(self.rows[w]))
+                raise OnnxpipeError(f"simulation stalled: stage {self.places[stuck][0]} waits forever at {self.rows[stuck][self.cursor[stuck]]}")
+            self.advance(later)
+        # Changes at one instant (a backward freeing, the next forward stashing) become one sample.
+        memory = [[p for i, p in enumerate(samples) if i + 1 == len(samples) or samples[i + 1][0] != p[0]] for samples in self.memory]
+        self.events.sort(key=lambda e: (e.stage, e.replica, e.start, e.kind))
+        return tuple(self.events), tuple(tuple(m) for m in memory), max(self.free_at)
 
-    while True:
+    def step(self) -> None:
+        """Advance every worker as far as it can at `now`, until none moves."""
         progressed = True
         while progressed:
             progressed = False
-            for w in range(n):
-                s, j = places[w]
-                device = plan.stages[s].devices[j]
+            for w in range(len(self.rows)):
                 waits = False
-                while cursor[w] < len(rows[w]) and free_at[w] <= now:
-                    if blocked_on[w] is not None:
-                        if blocked_on[w] not in arrived:
+                while self.cursor[w] < len(self.rows[w]) and self.free_at[w] <= self.now:
+                    if self.blocked_on[w] is not None:
+                        if self.blocked_on[w] not in self.arrived:
                             break
-                        blocked_on[w] = None
-                    a, c = rows[w][cursor[w]], costs[s]
-                    if a.op in ("RECV_F", "RECV_B"):
-                        key = (a.op[-1], s, a.microbatch)
-                        if key not in arrived:
-                            waits = True
-                            break
-                        src, dst = link_of(key)
-                        cpu = message_cpu(target, src, dst)
-                        if cpu is not None:
-                            message[w] = key
-                            compute(w, cpu.recv_overhead, a.op, a.microbatch)
-                        else:
-                            events.append(Event(s, "RECV", a.microbatch, started[key], arrived[key], j))
-                    elif a.op in ("SEND_F", "SEND_B"):
-                        kind, peer = ("F", s + 1) if a.op == "SEND_F" else ("B", s - 1)
-                        key = (kind, peer, a.microbatch)
-                        nbytes = c.out_bytes if kind == "F" else costs[peer].out_bytes
-                        dst = plan.stages[peer].devices[places[owner(peer, a.microbatch)][1]]
-                        started[key] = now
-                        cpu = message_cpu(target, device, dst)
-                        if cpu is not None:
-                            message[w] = key
-                            compute(w, cpu.send_seconds(nbytes), a.op, a.microbatch)
-                        else:
-                            links.start(now, device, dst, nbytes, key)
-                            if device != dst and target.link(device, dst).topology == "shm":
-                                blocked_on[w] = key
-                    elif a.op in ("F", "B"):
-                        mem(w, now, c.stash if a.op == "F" else c.during_backward)
-                        compute(w, c.forward if a.op == "F" else c.backward, a.op, a.microbatch)
-                    else:  # STEP
-                        at_step.add(w)
-                        if any(h not in at_step for h in holders[s]):
-                            waits = True
-                            break
-                        if c.allreduce > 0:
-                            events.append(Event(s, "ALLREDUCE", -1, now, now + c.allreduce, j))
-                        free_at[w] = now + c.allreduce + c.step
-                        events.append(Event(s, "STEP", -1, now + c.allreduce, free_at[w], j))
-                    cursor[w] += 1
+                        self.blocked_on[w] = None
+                    if not self.act(w, self.rows[w][self.cursor[w]]):
+                        waits = True
+                        break
+                    self.cursor[w] += 1
                     progressed = True
-                if cores.shared[w] and (waits or cursor[w] == len(rows[w]) and free_at[w] <= now):
-                    cores.release(now, w)
-        if all(cursor[w] == len(rows[w]) for w in range(n)):
-            break
-        later = min([t for t in free_at if t > now] + [links.next_time(now), cores.next_time(now)])
-        if math.isinf(later):
-            stuck = next(w for w in range(n) if cursor[w] < len(rows[w]))
-            raise OnnxpipeError(f"simulation stalled: stage {places[stuck][0]} waits forever at {rows[stuck][cursor[stuck]]}")
-        for w, op, mb, start in cores.advance(now, later):
-            finish(w, op, mb, start, later)
-        for key in links.advance(now, later):
-            arrived[key] = later
+                if self.cores.shared[w] and (waits or self.cursor[w] == len(self.rows[w]) and self.free_at[w] <= self.now):
+                    self.cores.release(self.now, w)
+
+    def act(self, w: int, a: sched.Action) -> bool:
+        """Start the worker's next action; False when it must wait (its message has not arrived, or other holders are not at STEP)."""
+        if a.op in ("RECV_F", "RECV_B"):
+            return self.receive(w, a)
+        if a.op in ("SEND_F", "SEND_B"):
+            self.send(w, a)
+        elif a.op in ("F", "B"):
+            self.compute_action(w, a)
+        else:
+            return self.optimizer_step(w)
+        return True
+
+    def receive(self, w: int, a: sched.Action) -> bool:
+        s, j = self.places[w]
+        key = (a.op[-1], s, a.microbatch)
+        if key not in self.arrived:
+            return False
+        cpu = message_cpu(self.target, *self.link_of(key))
+        if cpu is not None:
+            self.message[w] = key
+            self.compute(w, cpu.recv_overhead, a.op, a.microbatch)
+        else:
+            self.events.append(Event(s, "RECV", a.microbatch, self.started[key], self.arrived[key], j))
+        return True
+
+    def send(self, w: int, a: sched.Action) -> None:
+        s, _ = self.places[w]
+        kind, peer = ("F", s + 1) if a.op == "SEND_F" else ("B", s - 1)
+        key = (kind, peer, a.microbatch)
+        nbytes = self.stages[s].out_bytes if kind == "F" else self.stages[peer].out_bytes
+        src, dst = self.device(w), self.device(self.owner(peer, a.microbatch))
+        self.started[key] = self.now
+        cpu = message_cpu(self.target, src, dst)
+        if cpu is not None:
+            self.message[w] = key
+            self.compute(w, cpu.send_seconds(nbytes), a.op, a.microbatch)
+            return
+        self.links.start(self.now, src, dst, nbytes, key)
+        if src != dst and self.target.link(src, dst).topology == "shm":
+            self.blocked_on[w] = key
+
+    def compute_action(self, w: int, a: sched.Action) -> None:
+        """F or B on one replica: a whole micro-batch (r x the stage's share), plus the fixed costs."""
+        c = self.stages[self.places[w][0]]
+        if a.op == "F":
+            self.mem(w, self.now, c.stash)
+            self.compute(w, c.forward * c.replicas + c.action_overhead, a.op, a.microbatch)
+        else:
+            self.mem(w, self.now, c.during_backward)
+            self.compute(w, c.backward * c.replicas + c.action_overhead + c.handing, a.op, a.microbatch)
+
+    def optimizer_step(self, w: int) -> bool:
+        s, j = self.places[w]
+        c = self.stages[s]
+        self.at_step.add(w)
+        if any(h not in self.at_step for h in self.holders[s]):
+            return False
+        allreduce = c.allreduce + c.tied_allreduce
+        if allreduce > 0:
+            self.events.append(Event(s, "ALLREDUCE", -1, self.now, self.now + allreduce, j))
+        self.free_at[w] = self.now + allreduce + c.step
+        self.events.append(Event(s, "STEP", -1, self.now + allreduce, self.free_at[w], j))
+        return True
+
+    def compute(self, w: int, work: float, op: str, mb: int) -> None:
+        """Run `work` seconds of the worker's CPU: on the shared cores, or on its own device."""
+        if self.cores.shared[w]:
+            self.cores.start(self.now, w, work, op, mb)
+            self.free_at[w] = math.inf
+        else:
+            self.finish(w, op, mb, self.now, self.now + work)
+
+    def finish(self, w: int, op: str, mb: int, start: float, end: float) -> None:
+        s, j = self.places[w]
+        self.free_at[w] = end
+        if op.startswith("SEND"):  # its event spans until arrival, added then
+            key, self.message[w] = self.message[w], None
+            assert key is not None
+            self.links.land(end + self.target.link(*self.link_of(key)).latency, key)
+            return
+        if op.startswith("RECV"):
+            key, self.message[w] = self.message[w], None
+            assert key is not None
+            self.events.append(Event(s, "RECV", mb, self.started[key], end, j))
+            return
+        self.events.append(Event(s, op, mb, start, end, j))
+        if op == "B":
+            self.mem(w, end, -self.stages[s].stash - self.stages[s].during_backward)
+
+    def mem(self, w: int, t: float, delta: float) -> None:
+        self.live[w] += delta
+        self.memory[w].append((t, self.live[w]))
+
+    def advance(self, later: float) -> None:
+        """Move time to `later`: finish the actions and transfers done by then."""
+        for w, op, mb, start in self.cores.advance(self.now, later):
+            self.finish(w, op, mb, start, later)
+        for key in self.links.advance(self.now, later):
+            self.arrived[key] = later
             kind, receiver, mb = key
-            sender = owner(receiver - 1 if kind == "F" else receiver + 1, mb)
-            events.append(Event(places[sender][0], "SEND", mb, started[key], later, places[sender][1]))
-        now = later
-    end = max(free_at)
-    # Changes at one instant (a backward freeing, the next forward stashing) become one sample.
-    memory = [[p for i, p in enumerate(samples) if i + 1 == len(samples) or samples[i + 1][0] != p[0]] for samples in memory]
-    events.sort(key=lambda e: (e.stage, e.replica, e.start, e.kind))
-    return tuple(events), tuple(tuple(m) for m in memory), end
+            sender = self.owner(receiver - 1 if kind == "F" else receiver + 1, mb)
+            self.events.append(Event(self.places[sender][0], "SEND", mb, self.started[key], later, self.places[sender][1]))
+        self.now = later

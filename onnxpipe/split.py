@@ -419,7 +419,7 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
               schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto") -> Plan:
     """A priced plan for hand-given cuts, one device per stage taken in the target's order."""
     from onnxpipe.plan.evaluate import Assignment, evaluate
-    from onnxpipe.plan.problem import build_problem
+    from onnxpipe.pricing.problem import build_problem
 
     if recompute not in RECOMPUTE_POLICIES:
         raise OnnxpipeError(f"--recompute {recompute}: choose one of {', '.join(RECOMPUTE_POLICIES)}")

@@ -349,7 +349,7 @@ def test_importing_the_planner_leaves_cp_sat_and_pandas_unloaded() -> None:
 def test_replica_holds_whole_microbatches() -> None:
     # 1F1B over 3 stages keeps 3 micro-batches in flight on stage 0; on 2 replicas taking whole
     # micro-batches round-robin, one replica holds 2 of them (not 1.5).
-    from onnxpipe.simulate import simulate
+    from onnxpipe.plan.predict import simulate_plan as simulate
 
     graph = load(chain_model(3, {}))
     costs = hand_costs(graph, [1e9] * 3, activations=[1e8] * 3)

@@ -14,7 +14,8 @@ from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.pricing.timemodel import allreduce_seconds
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
-from onnxpipe.simulate import plan_target, simulate
+from onnxpipe.plan.predict import plan_target
+from onnxpipe.plan.predict import simulate_plan as simulate
 from onnxpipe.target import Device, HostModel, Link, MessageCpu, Target
 from onnxpipe.train.timeline import step_events
 

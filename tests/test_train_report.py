@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from onnxpipe import models, report
 from onnxpipe.cli import app
 from onnxpipe.schedule import add_communication, build
-from onnxpipe.simulate import read_plan, simulate
+from onnxpipe.plan.predict import read_plan
+from onnxpipe.plan.predict import simulate_plan as simulate
 from onnxpipe.target import load_target
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.pipeline import Pipeline

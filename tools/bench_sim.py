@@ -28,7 +28,7 @@ import onnx
 from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan import plan_model
-from onnxpipe.simulate import plan_target, read_plan, simulate
+from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
 from onnxpipe.split import split
 from benchdoc import write_section
 
@@ -162,8 +162,8 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
     measured = json.loads(out.read_text())
     saved = read_plan(stages)
     tgt = plan_target(saved, target)
-    quiet = simulate(saved, tgt, schedule=schedule, microbatches=m)
-    loaded = simulate(saved, tgt, schedule=schedule, microbatches=m, background=others)
+    quiet = simulate_plan(saved, tgt, schedule=schedule, microbatches=m)
+    loaded = simulate_plan(saved, tgt, schedule=schedule, microbatches=m, background=others)
     return {
         "case": f"{model_name} {target} k={len(saved.stages)} m={m} {schedule}",
         "load": (load + os.getloadavg()[0]) / 2,
@@ -216,7 +216,7 @@ def main() -> None:
         "optimizer step compute, in both. Load = the 1-minute load average around the training run; background = "
         "runnable processes of other work while it ran (state R in /proc outside the training's process tree, sampled every 50 ms). Simulated "
         "quiet: the plan on the target alone; simulated: the same with that background sharing the cores "
-        "(`simulate(..., background=...)`). Busy error = simulated / measured - 1 of the stages' summed busy seconds "
+        "(`simulate_plan(..., background=...)`). Busy error = simulated / measured - 1 of the stages' summed busy seconds "
         "(`train --json` per-stage `busy_seconds` against the simulation's).",
         "",
         "Model sizes (zoo knobs, `onnxpipe.models.build(name, train=True, **knobs)`; `--knobs model:k=v,...` overrides): "

@@ -10,16 +10,21 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks, coarsen
 from onnxpipe.plan.dp import solve_dp
-from onnxpipe.plan.evaluate import Assignment, evaluate
+from onnxpipe.plan.bounds import Bounds
+from onnxpipe.plan.evaluate import evaluate
 from onnxpipe.plan.layout import to_assignment
-from onnxpipe.plan.problem import Problem
+from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan
+from onnxpipe.pricing.stage import Assignment
 
 __all__ = ["baselines", "with_recompute", "balanced_cuts"]
 
 
-def baselines(problem: Problem, stages: int, recompute: str = "auto", replicas: bool = True, blocks: Blocks | None = None) -> dict[str, Plan]:
+def baselines(
+    problem: Problem, stages: int, recompute: str = "auto", replicas: bool = True, blocks: Blocks | None = None, bounds: Bounds | None = None
+) -> dict[str, Plan]:
     """Each baseline's plan by name; a baseline that cannot form `stages` stages is left out."""
+    bounds = bounds or Bounds(problem)
     devices = tuple((d.name,) for d in problem.target.devices[:stages])
     found: dict[str, Plan] = {}
     layers = (problem.params > 0).astype(float)
@@ -31,15 +36,15 @@ def baselines(problem: Problem, stages: int, recompute: str = "auto", replicas: 
         cuts = balanced_cuts(weights, stages)
         if cuts is not None:
             nodes = tuple(problem.nodes[a:b] for a, b in zip(cuts[:-1], cuts[1:]))
-            found[name] = with_recompute(problem, nodes, devices, recompute, name)
+            found[name] = with_recompute(problem, nodes, devices, recompute, name, bounds)
     blocks = blocks or coarsen(problem, 100)
     if blocks.count >= stages:
         layout = solve_dp(problem, blocks, stages, recompute, replicas, in_order=True)
         if layout is not None:
-            plan = evaluate(problem, to_assignment(problem, blocks, layout), replicas=replicas)
+            plan = evaluate(problem, to_assignment(problem, blocks, layout), replicas=replicas, bounds=bounds)
             found["pipedream"] = _named(plan, "pipedream")
     everything = (tuple(d.name for d in problem.target.devices),)
-    found["data-parallel"] = with_recompute(problem, (problem.nodes,), everything, recompute, "data-parallel")
+    found["data-parallel"] = with_recompute(problem, (problem.nodes,), everything, recompute, "data-parallel", bounds)
     return found
 
 
@@ -58,14 +63,16 @@ def balanced_cuts(weights: np.ndarray, stages: int) -> list[int] | None:
     return cuts
 
 
-def with_recompute(problem: Problem, nodes: tuple[tuple[str, ...], ...], devices: tuple[tuple[str, ...], ...], recompute: str, name: str) -> Plan:
+def with_recompute(
+    problem: Problem, nodes: tuple[tuple[str, ...], ...], devices: tuple[tuple[str, ...], ...], recompute: str, name: str, bounds: Bounds | None = None
+) -> Plan:
     """Evaluate an assignment, recomputing (under "auto") exactly the stages that overflow memory."""
     flags = tuple(recompute == "always" for _ in nodes)
-    plan = evaluate(problem, Assignment(nodes, devices, flags))
+    plan = evaluate(problem, Assignment(nodes, devices, flags), bounds=bounds)
     if recompute == "auto":
         over = tuple(s.memory.total > s.memory.capacity for s in plan.stages)
         if any(over):
-            plan = evaluate(problem, Assignment(nodes, devices, over))
+            plan = evaluate(problem, Assignment(nodes, devices, over), bounds=bounds)
     return _named(plan, name)
 
 

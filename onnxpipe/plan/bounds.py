@@ -6,16 +6,16 @@ chain bound (`onnxpipe.plan.chainbound`) adds both, with the all-reduce of repli
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from onnxpipe.plan.chainbound import chain_bound
-from onnxpipe.plan.problem import Problem
+from onnxpipe.pricing.problem import Problem
+from onnxpipe.pricing.stage import state_bytes
 
-__all__ = ["LowerBound", "lower_bound"]
+__all__ = ["LowerBound", "lower_bound", "Bounds"]
 
 
 @dataclass(frozen=True)
@@ -43,26 +43,28 @@ class LowerBound:
         return self.memory_bytes <= self.capacity_bytes
 
 
-#: Bounds already found per problem: every plan `evaluate` prices carries one, and exploration prices
-#: many plans of one problem and stage count (the chain bound's DP is the costly part).
-_KNOWN: weakref.WeakKeyDictionary[Problem, dict[tuple[int, bool], LowerBound]] = weakref.WeakKeyDictionary()
+class Bounds:
+    """The lower bounds of one problem by stage count, each found once: solving and exploring price many
+    plans of one problem, every priced plan carries its bound, and the chain bound's DP is the costly part."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self._found: dict[tuple[int, bool], LowerBound] = {}
+
+    def __call__(self, stages: int, replicas: bool = True) -> LowerBound:
+        if (stages, replicas) not in self._found:
+            self._found[stages, replicas] = lower_bound(self.problem, stages, replicas)
+        return self._found[stages, replicas]
 
 
 def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBound:
     """Bounds for plans of `stages` stages (replicated stages may use every device when `replicas`)."""
-    known = _KNOWN.setdefault(problem, {})
-    if (stages, replicas) not in known:
-        known[stages, replicas] = _lower_bound(problem, stages, replicas)
-    return known[stages, replicas]
-
-
-def _lower_bound(problem: Problem, stages: int, replicas: bool) -> LowerBound:
     work = problem.forward + problem.backward
     counts = np.array([len(d) for d in problem.group_devices])
     usable = problem.device_count if replicas else stages
     most_replicas = np.minimum(counts, max(1, problem.device_count - stages + 1)) if replicas else np.ones_like(counts)
     node = float(np.max(np.min(work / most_replicas[:, None], axis=0)))
-    state = problem.params * (2.0 + problem.optimizer_states)
+    state = state_bytes(problem.params, problem.optimizer_states)
     spread = float(state.sum()) / usable
     per_node = float(np.max(state + problem.activations / np.max(most_replicas)))
     return LowerBound(

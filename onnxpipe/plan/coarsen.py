@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxpipe.plan.problem import Problem
+from onnxpipe.pricing.problem import Problem
 
 __all__ = ["Blocks", "coarsen", "refine", "live_bytes"]
 

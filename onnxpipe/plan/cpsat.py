@@ -2,10 +2,11 @@
 with device group, replica count and recompute chosen per stage, warm-started from the DP and
 stopped at a time limit with its proven bound.
 
-The stage-time model is `evaluate`'s in integer nanoseconds: a tensor is counted once per stage that
-receives it, and each message is priced on the link between the producer's and the receiver's device
-groups on both ends (a skip over a stage of another group included). Memory is in KiB, rounded against
-the plan. A known plan's bottleneck (the DP's hint) caps every time variable and, through `_windows`,
+The stage-time model is the pricing rule (`onnxpipe.pricing.stage`, as `evaluate` prices a plan) in integer
+nanoseconds, applied term by term: a tensor is counted once per stage that receives it, and each message is
+priced on the link between the producer's and the receiver's device groups on both ends (a skip over a stage
+of another group included). Every term is rounded up, memory in KiB, so the model never prices a plan below
+`evaluate`. A known plan's bottleneck (the DP's hint) caps every time variable and, through `_windows`,
 rules out stages a block cannot take in any better plan; the first-principles bound is the objective's floor.
 
 Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `hint` -> `_windows`.
@@ -23,7 +24,8 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.layout import Layout
-from onnxpipe.plan.problem import Problem, held, in_flight
+from onnxpipe.pricing.problem import Problem, in_flight
+from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, recomputed_backward, state_bytes
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -199,7 +201,7 @@ class _Model:
         flights = in_flight(problem.schedule, k, problem.microbatches)
         crossing = [t for t, r in enumerate(self.received) if r is not None]
         reads = [t for t, r in enumerate(self.inputs) if r is not None]
-        state = blocks.params * (2.0 + problem.optimizer_states)
+        state = state_bytes(blocks.params, problem.optimizer_states)
         m = problem.microbatches
         # holds[s]: the stage has parameters, so a replicated stage all-reduces gradients.
         holds = [cp.NewBoolVar("") for _ in range(k)]
@@ -215,16 +217,15 @@ class _Model:
                     if (recompute == "always" and not rc) or (recompute == "never" and rc):
                         continue
                     flag = self.rc[s] if rc else self.rc[s].Not()
-                    seconds = (blocks.forward[g] * (2 if rc else 1) + blocks.backward[g]) / r
+                    seconds = (blocks.forward[g] + recomputed_backward(blocks.forward[g], blocks.backward[g], rc)) / r
                     cp.Add(comp >= _dot(self.x, s, seconds * _NS, math.ceil)).OnlyEnforceIf([y, flag])
                     cap = int(problem.capacity[g] // _KIB)
                     mine = held(flights[s], r)  # whole micro-batches on one replica
+                    # Activations per block, and with recompute each tensor it receives (its stash) per micro-batch held.
+                    need = _dot(self.x, s, (state + activation_bytes(mine, blocks.activations, 0.0, rc)) / _KIB, math.ceil)
                     if rc:
-                        stash = sum(self.received[t][s] * _ceil(blocks.nbytes[t] * mine / _KIB) for t in crossing)
-                        stash += sum(self.inputs[t][s] * _ceil(blocks.nbytes[t] * mine / _KIB) for t in reads)
-                        need = _dot(self.x, s, (state + blocks.activations) / _KIB, math.ceil) + stash
-                    else:
-                        need = _dot(self.x, s, (state + mine * blocks.activations) / _KIB, math.ceil)
+                        stash = [_ceil(activation_bytes(mine, 0.0, blocks.nbytes[t], True) / _KIB) for t in range(len(blocks.nbytes))]
+                        need += sum(self.received[t][s] * stash[t] for t in crossing) + sum(self.inputs[t][s] * stash[t] for t in reads)
                     cp.Add(need <= cap).OnlyEnforceIf([y, flag])
                 groups = range(len(problem.groups))
                 if s < k - 1:
@@ -240,7 +241,7 @@ class _Model:
     def _message(self, t: int, source: int, dest: int, replicas: int) -> int:
         """Nanoseconds one end spends on tensor t between groups source and dest, its share over `replicas`."""
         problem = self.problem
-        return _ceil((problem.latency[source, dest] + self.blocks.nbytes[t] / (replicas * problem.bandwidth[source, dest])) * _NS)
+        return _ceil(message_seconds(problem.latency[source, dest], self.blocks.nbytes[t], replicas, problem.bandwidth[source, dest]) * _NS)
 
     def hint(self, layout: Layout) -> None:
         cp, k = self.cp, self.k

@@ -2,10 +2,10 @@
 replication and recompute): the exact minimum bottleneck among partitions that cut the topological
 order into intervals, under the planner's stage-time model. Fast; its answer warm-starts CP-SAT.
 
-Stage-time model (shared with CP-SAT): forward + backward (+ forward again when recomputing) over the
-replica count, plus latency + bytes / (replicas * bandwidth) per tensor received (from the previous
-stage's group) and per tensor sent (over the slowest link leaving the group), plus the all-reduce
-share per micro-batch.
+Stage-time model: the pricing rule (`onnxpipe.pricing.stage`) over prefix sums of the blocks, with one
+difference: a tensor sent is priced on the slowest link leaving the stage's group (the receiving stage's
+group is not known yet), so the DP's stage times are at least `price`'s and its plans' evaluated
+bottlenecks at most its own.
 
 Reading order: `Intervals` / `intervals` -> `solve_dp` -> `_stage_times` -> `_backtrack`.
 """
@@ -18,7 +18,8 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.layout import Layout
-from onnxpipe.plan.problem import Problem, held, in_flight
+from onnxpipe.pricing.problem import Problem, in_flight
+from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, seconds_per_microbatch, state_bytes
 
 __all__ = ["Intervals", "intervals", "solve_dp", "out_links"]
 
@@ -157,15 +158,13 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
         forward = _span(prefix.forward[g]) / r
         backward = _span(prefix.backward[g]) / r
         params = _span(prefix.params)
-        comm = 0.0
-        if gp >= 0:
-            comm = table.in_count * problem.latency[gp, g] + table.in_bytes / (r * problem.bandwidth[gp, g])
+        comm = message_seconds(table.in_count * problem.latency[gp, g], table.in_bytes, r, problem.bandwidth[gp, g]) if gp >= 0 else 0.0
         latency, bandwidth = out_links(problem, g)
-        comm = comm + table.out_count * latency + table.out_bytes / (r * bandwidth)
+        comm = comm + message_seconds(table.out_count * latency, table.out_bytes, r, bandwidth)
         a0, a1 = problem.allreduce_affine(g, r)
-        allreduce = np.where(params > 0, a0 + a1 * params, 0.0) / problem.microbatches if r > 1 else 0.0
-        keep = forward + backward + comm + allreduce
-        state = params * (2.0 + problem.optimizer_states)
+        allreduce = np.where(params > 0, a0 + a1 * params, 0.0) if r > 1 else 0.0
+        keep = seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches)
+        state = state_bytes(params, problem.optimizer_states)
         acts = _span(prefix.activations)
         invalid = np.tril(np.ones_like(keep, dtype=bool))
         base = (keep, forward, state, acts, invalid)
@@ -173,9 +172,10 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
     keep, forward, state, acts, invalid = base
     capacity = problem.capacity[g]
     mine = held(flight, r)  # whole micro-batches on one replica
-    keep_fits = state + mine * acts <= capacity
-    rc_fits = state + mine * table.stash_bytes + acts <= capacity
+    keep_fits = state + activation_bytes(mine, acts, table.stash_bytes, False) <= capacity
+    rc_fits = state + activation_bytes(mine, acts, table.stash_bytes, True) <= capacity
     t_keep = np.where(keep_fits & (recompute != "always"), keep, np.inf)
+    # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward.
     t_rc = np.where(rc_fits & (recompute != "never"), keep + forward, np.inf)
     times = np.minimum(t_keep, t_rc)
     times[invalid] = np.inf

@@ -1,54 +1,39 @@
-"""The one evaluation function: an assignment (nodes, devices and recompute per stage) becomes a full
-`Plan` with per-stage times, communication, memory and the iteration time. The planner, every
-baseline and hand-given cuts go through it, so their numbers compare like for like.
+"""The one evaluation function: an assignment (nodes, devices and recompute per stage) is priced
+(`onnxpipe.pricing.stage.price`), then its schedule simulated on those prices, and becomes a full `Plan`
+with per-stage times, communication, memory and the iteration time. The planner, every baseline and
+hand-given cuts go through it, so their numbers compare like for like.
 
-Reading order: `Assignment` -> `evaluate` -> `_ensure_assignment` -> `_tied` -> `_communication` -> `_stage`.
+Reading order: `evaluate` -> `_ensure_assignment` -> `_stage_plan`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import numpy as np
 
+from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.plan.bounds import lower_bound
-from onnxpipe.pricing.timemodel import allreduce_seconds
-from onnxpipe.plan.problem import Problem, held, in_flight
-from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
-from onnxpipe.plan.timing import iteration_seconds
+from onnxpipe.plan.bounds import Bounds, lower_bound
+from onnxpipe.plan.result import Plan, SolveInfo, StagePlan
+from onnxpipe.pricing.problem import Problem
+from onnxpipe.pricing.stage import Assignment, StageCost, price
+from onnxpipe.simulate import simulate
 from onnxpipe.units import format_bytes
 
 __all__ = ["Assignment", "evaluate", "fits", "overflow"]
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """Where everything goes, before any number is attached."""
-
-    #: Node names of each stage.
-    stages: tuple[tuple[str, ...], ...]
-    #: Device instance names of each stage (several: the stage is replicated).
-    devices: tuple[tuple[str, ...], ...]
-    #: Per stage: True recomputes activations in backward instead of stashing them.
-    recompute: tuple[bool, ...]
-
-
-def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None = None, replicas: bool = True) -> Plan:
-    """Price an assignment under the problem's batch, micro-batches, schedule and optimizer."""
+def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None = None, replicas: bool = True, bounds: Bounds | None = None) -> Plan:
+    """Price an assignment under the problem's batch, micro-batches, schedule and optimizer, and simulate its
+    iteration. `bounds`: the problem's lower bounds, when the caller prices several plans of it."""
     stage_of = _ensure_assignment(problem, assignment)
     k = len(assignment.stages)
-    groups = [np.array([problem.group_of(d) for d in devs]) for devs in assignment.devices]
-    comm = _communication(problem, stage_of, groups, k)
-    flights = in_flight(problem.schedule, k, problem.microbatches)
-    tied = _tied(problem, stage_of, k)
-    stage_plans = [replace(_stage(problem, s, stage_of == s, assignment, groups[s], comm, flights[s]), tied=tied[s][0], tied_bytes=tied[s][1])
-                   for s in range(k)]
-    bottleneck = max(p.seconds_per_microbatch(problem.microbatches) for p in stage_plans)
-    bound = lower_bound(problem, k, replicas).seconds
+    costs = price(problem, assignment, stage_of)
+    bottleneck = max(c.seconds_per_microbatch(problem.microbatches) for c in costs)
+    bound = (bounds(k, replicas) if bounds is not None else lower_bound(problem, k, replicas)).seconds
     info = solver or SolveInfo(status="given", bound_seconds=bound, gap=_gap(bottleneck, bound), solve_seconds=0.0, coarsening_loss=0.0, blocks=problem.n)
+    table = sched.build(problem.schedule, k, problem.microbatches)
     graph = problem.graph
-    plan = Plan(
+    return Plan(
         model=graph.source,
         fingerprint=graph.fingerprint,
         target=problem.target.name,
@@ -57,13 +42,12 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
         microbatches=problem.microbatches,
         schedule=problem.schedule,
         optimizer=problem.optimizer,
-        stages=tuple(stage_plans),
+        stages=tuple(_stage_plan(c, tuple(problem.nodes[i] for i in np.flatnonzero(stage_of == c.index))) for c in costs),
         bottleneck_seconds=bottleneck,
         lower_bound_seconds=bound,
-        iteration_seconds=0.0,
+        iteration_seconds=simulate(table, costs, problem.target, schedule=problem.schedule, batch=problem.batch).iteration_seconds,
         solver=info,
     )
-    return replace(plan, iteration_seconds=iteration_seconds(plan, problem.target))
 
 
 def fits(plan: Plan) -> bool:
@@ -119,101 +103,23 @@ def _ensure_assignment(problem: Problem, assignment: Assignment) -> np.ndarray:
     return stage_of
 
 
-def _tied(problem: Problem, stage_of: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
-    """Per stage: the other stages reading one of its trained weights (each holds a copy; through
-    constant chains too, e.g. the transpose of a tied embedding), and the bytes of those weights."""
-    graph = problem.graph
-    position = {n: i for i, n in enumerate(problem.nodes)}
-    others: list[set[int]] = [set() for _ in range(k)]
-    nbytes = [0.0] * k
-    for weight in graph.parameters:
-        stages: set[int] = set()
-        frontier, seen = [weight], set()
-        while frontier:
-            for node in graph.consumers(frontier.pop()):
-                if node in position:
-                    stages.add(int(stage_of[position[node]]))
-                elif node not in seen:
-                    seen.add(node)
-                    frontier.extend(o for o in graph.node(node).output if o)
-        if len(stages) > 1:
-            for s in stages:
-                others[s] |= stages - {s}
-                nbytes[s] += graph.tensors[weight].nbytes
-    return [(tuple(sorted(o)), b) for o, b in zip(others, nbytes)]
-
-
-@dataclass(frozen=True)
-class _Comm:
-    in_bytes: np.ndarray
-    out_bytes: np.ndarray
-    in_seconds: np.ndarray
-    out_seconds: np.ndarray
-    #: Bytes a recomputing stage stashes per micro-batch: everything it receives, model inputs included.
-    stash_bytes: np.ndarray
-
-
-def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarray], k: int) -> _Comm:
-    """One message per tensor per consumer stage, from the producer's stage; a replicated stage sends
-    and receives its share of the micro-batch on each replica."""
-    in_b, out_b, in_s, out_s, stash = (np.zeros(k) for _ in range(5))
-    replicas = [len(g) for g in groups]
-    for t, p in enumerate(problem.tensor_producer):
-        nbytes = problem.tensor_bytes[t]
-        targets = np.unique(stage_of[problem.tensor_consumers[t]])
-        if p < 0:
-            stash[targets] += nbytes
-            continue
-        src = stage_of[p]
-        for dst in targets[targets != src]:
-            ga, gb = groups[src][0], groups[dst][0]
-            latency, bandwidth = problem.latency[ga, gb], problem.bandwidth[ga, gb]
-            in_b[dst] += nbytes
-            out_b[src] += nbytes
-            stash[dst] += nbytes
-            in_s[dst] += latency + nbytes / replicas[dst] / bandwidth
-            out_s[src] += latency + nbytes / replicas[src] / bandwidth
-    return _Comm(in_b, out_b, in_s, out_s, stash)
-
-
-def _stage(problem: Problem, s: int, mask: np.ndarray, assignment: Assignment, groups: np.ndarray, comm: _Comm, flight: int) -> StagePlan:
-    """A stage's plan. Replicas take whole micro-batches round-robin, so per micro-batch a stage of r
-    replicas delivers r times its slowest replica's rate (times are those shares), and a replica holds
-    the activations of whole micro-batches (`held`)."""
-    r = len(groups)
-    forward = float(max(problem.forward[g, mask].sum() for g in groups)) / r
-    backward = float(max(problem.backward[g, mask].sum() for g in groups)) / r
-    recompute = assignment.recompute[s]
-    extra = float(max(problem.corun_forward[g, mask].sum() * (2 if recompute else 1) + problem.corun_backward[g, mask].sum() for g in groups)) / r
-    params = float(problem.params[mask].sum())
-    activations = float(problem.activations[mask].sum())
-    mine = held(flight, r)
-    if recompute:
-        backward += forward
-        stashed = mine * comm.stash_bytes[s] + activations
-    else:
-        stashed = mine * activations
-    devices = assignment.devices[s]
-    memory = Memory(
-        parameters=params,
-        gradients=params,
-        optimizer=params * problem.optimizer_states,
-        activations=stashed,
-        capacity=float(min(problem.capacity[g] for g in groups)),
-    )
+def _stage_plan(cost: StageCost, nodes: tuple[str, ...]) -> StagePlan:
+    """How a priced stage shows in the plan."""
     return StagePlan(
-        index=s,
-        devices=tuple(devices),
-        nodes=tuple(problem.nodes[i] for i in np.flatnonzero(mask)),
-        forward_seconds=forward,
-        backward_seconds=backward,
-        comm_in_seconds=float(comm.in_seconds[s]),
-        comm_out_seconds=float(comm.out_seconds[s]),
-        comm_in_bytes=float(comm.in_bytes[s]),
-        comm_out_bytes=float(comm.out_bytes[s]),
-        allreduce_seconds=allreduce_seconds(problem.target, tuple(devices), params),
-        recompute=recompute,
-        memory=memory,
-        stash_bytes=float(comm.stash_bytes[s]) if recompute else activations,
-        corun_slowdown=extra / (forward + backward) if forward + backward > 0 else 0.0,
+        index=cost.index,
+        devices=cost.devices,
+        nodes=nodes,
+        forward_seconds=cost.forward,
+        backward_seconds=cost.backward,
+        comm_in_seconds=cost.in_seconds,
+        comm_out_seconds=cost.out_seconds,
+        comm_in_bytes=cost.in_bytes,
+        comm_out_bytes=cost.out_bytes,
+        allreduce_seconds=cost.allreduce,
+        recompute=cost.recompute,
+        memory=cost.memory,
+        stash_bytes=cost.stash,
+        tied=cost.tied,
+        tied_bytes=cost.tied_bytes,
+        corun_slowdown=cost.corun_slowdown,
     )

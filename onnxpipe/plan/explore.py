@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from onnxpipe.plan.baselines import baselines, with_recompute
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, overflow
 from onnxpipe.plan.layout import to_assignment
-from onnxpipe.plan.problem import Problem
+from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Candidate, Plan
 
 __all__ = ["explore", "microbatch_choices", "by_stage_count", "candidate"]
@@ -39,9 +40,10 @@ def explore(
     for m in microbatches:
         for schedule in schedules:
             variant = problem.with_options(microbatches=m, schedule=schedule)
+            bounds = Bounds(variant)
             for k in stage_counts:
                 report(f"exploring {schedule}, {m} micro-batches, {k} stages")
-                quick, fitting = _priced(variant, k, recompute, replicas)
+                quick, fitting = _priced(variant, k, recompute, replicas, bounds)
                 if fitting:
                     tried.append((candidate(min(fitting, key=lambda p: p.iteration_seconds)), variant, k, fitting))
                 elif quick is not None:
@@ -55,15 +57,18 @@ def explore(
     return tuple(c for c, _, _, _ in tried), variant, k, tuple(plans)
 
 
-def by_stage_count(problem: Problem, stage_counts: Sequence[int], recompute: str = "auto", replicas: bool = True) -> dict[int, list[Plan]]:
+def by_stage_count(
+    problem: Problem, stage_counts: Sequence[int], recompute: str = "auto", replicas: bool = True, bounds: Bounds | None = None
+) -> dict[int, list[Plan]]:
     """Fitting plans per stage count: the DP's and every baseline's (data parallelism counts as one stage)."""
-    return {k: _priced(problem, k, recompute, replicas)[1] for k in stage_counts}
+    bounds = bounds or Bounds(problem)
+    return {k: _priced(problem, k, recompute, replicas, bounds)[1] for k in stage_counts}
 
 
-def _priced(problem: Problem, stages: int, recompute: str, replicas: bool) -> tuple[Plan | None, list[Plan]]:
+def _priced(problem: Problem, stages: int, recompute: str, replicas: bool, bounds: Bounds) -> tuple[Plan | None, list[Plan]]:
     """The DP's plan (see `_quick_plan`), and the fitting plans of `stages` stages among it and every baseline."""
-    quick = _quick_plan(problem, stages, recompute, replicas)
-    others = baselines(problem, stages, recompute, replicas)
+    quick = _quick_plan(problem, stages, recompute, replicas, bounds)
+    others = baselines(problem, stages, recompute, replicas, bounds=bounds)
     return quick, [p for p in ([quick] if quick else []) + list(others.values()) if fits(p) and len(p.stages) == stages]
 
 
@@ -76,16 +81,16 @@ def candidate(plan: Plan) -> Candidate:
     )
 
 
-def _quick_plan(problem: Problem, stages: int, recompute: str, replicas: bool) -> Plan | None:
+def _quick_plan(problem: Problem, stages: int, recompute: str, replicas: bool, bounds: Bounds) -> Plan | None:
     """The DP's plan, or when nothing fits, an equal split that shows how far memory is off."""
     blocks = coarsen(problem, min(100, 20 * stages))
     if blocks.count < stages:
         return None
     layout = solve_dp(problem, blocks, stages, recompute, replicas)
     if layout is not None:
-        return evaluate(problem, to_assignment(problem, blocks, layout), replicas=replicas)
+        return evaluate(problem, to_assignment(problem, blocks, layout), replicas=replicas, bounds=bounds)
     size = -(-problem.n // stages)
     nodes = tuple(problem.nodes[i : i + size] for i in range(0, problem.n, size))
     if len(nodes) != stages:
         return None
-    return with_recompute(problem, nodes, tuple((d.name,) for d in problem.target.devices[:stages]), recompute, "equal")
+    return with_recompute(problem, nodes, tuple((d.name,) for d in problem.target.devices[:stages]), recompute, "equal", bounds)

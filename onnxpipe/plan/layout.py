@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
-from onnxpipe.plan.evaluate import Assignment
-from onnxpipe.plan.problem import Problem
+from onnxpipe.pricing.stage import Assignment
+from onnxpipe.pricing.problem import Problem
 
 __all__ = ["Layout", "to_assignment"]
 

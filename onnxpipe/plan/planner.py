@@ -13,8 +13,9 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.initializers import TieChoice
 from onnxpipe.plan.baselines import baselines
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices
-from onnxpipe.plan.problem import Problem, build_problem
+from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.plan.result import Plan
 from onnxpipe.plan.solve import solve
 from onnxpipe.schedule import SCHEDULES
@@ -121,8 +122,9 @@ def _fastest_stage_count(
     the plan of least iteration time at that count: no baseline, at any stage count, is predicted faster."""
     if progress:
         progress("pricing every stage count")
-    solve_at = functools.partial(solve, problem, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
-    found = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas)
+    bounds = Bounds(problem)
+    solve_at = functools.partial(solve, problem, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, bounds=bounds)
+    found = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas, bounds)
     priced = [p for plans in found.values() for p in plans]
     if not priced:  # nothing fits as an interval: CP-SAT may still find a plan, else it names the fix
         return solve_at(min(devices, problem.n))

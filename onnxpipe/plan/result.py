@@ -11,25 +11,11 @@ from typing import Any
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
+from onnxpipe.pricing.stage import Memory, seconds_per_microbatch
 
 __all__ = ["Memory", "StagePlan", "SolveInfo", "Candidate", "Plan", "PLAN_FORMAT"]
 
 PLAN_FORMAT = "onnxpipe.plan/1"
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes one device of a stage holds at its peak, by kind."""
-
-    parameters: float
-    gradients: float
-    optimizer: float
-    activations: float
-    capacity: float
-
-    @property
-    def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations
 
 
 @dataclass(frozen=True)
@@ -73,7 +59,8 @@ class StagePlan:
 
     def seconds_per_microbatch(self, microbatches: int) -> float:
         """Busy time plus this stage's share of its per-iteration all-reduce: what the planner balances."""
-        return self.busy_seconds + self.allreduce_seconds / microbatches
+        return seconds_per_microbatch(self.forward_seconds, self.backward_seconds, self.comm_in_seconds + self.comm_out_seconds,
+                                      self.allreduce_seconds, microbatches)
 
 
 @dataclass(frozen=True)

@@ -23,20 +23,18 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.baselines import baselines
-from onnxpipe.plan.bounds import LowerBound, lower_bound
+from onnxpipe.plan.bounds import Bounds, LowerBound
 from onnxpipe.plan.coarsen import Blocks, coarsen, refine
 from onnxpipe.plan.cpsat import solve_cpsat
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits
 from onnxpipe.plan.layout import Layout, to_assignment
-from onnxpipe.plan.problem import Problem
+from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.units import format_bytes
 
 __all__ = ["solve", "default_blocks", "infeasible_message"]
 
-#: Relative difference under which the solver's model and `evaluate` are taken to agree.
-_AGREE = 1e-4
 #: Share of the time limit the coarse CP-SAT leaves to refinement, and the most refinement's CP-SAT takes.
 _REFINE_SHARE = 0.3
 _REFINE_CP_SHARE = 0.1
@@ -69,21 +67,24 @@ def solve(
     progress: Callable[[str], None] | None = None,
     also: Sequence[Plan] = (),
     by_iteration: bool = False,
+    bounds: Bounds | None = None,
 ) -> Plan:
     """The best plan found for this configuration, with its proven bound and gap on the bottleneck.
 
     `also`: more plans of `stages` stages to choose from; `by_iteration` ranks by predicted iteration
-    time first (the plan may then have more than the least bottleneck, and says so in its gap)."""
+    time first (the plan may then have more than the least bottleneck, and says so in its gap). `bounds`:
+    the problem's lower bounds when the caller has found some already."""
     report = progress or (lambda _: None)
     started = time.perf_counter()
-    bound = lower_bound(problem, stages, replicas)
+    bounds = bounds or Bounds(problem)
+    bound = bounds(stages, replicas)
     _ensure_some_fit(problem, bound, stages)
     blocks = coarsen(problem, max_blocks or default_blocks(stages, problem.n))
     report(f"dynamic program over {blocks.count} blocks")
     hint = solve_dp(problem, blocks, stages, recompute, replicas, table=intervals(blocks))
     found: list[Plan] = []
     if hint is not None:
-        found.append(evaluate(problem, to_assignment(problem, blocks, hint), replicas=replicas))
+        found.append(evaluate(problem, to_assignment(problem, blocks, hint), replicas=replicas, bounds=bounds))
     coarsened = blocks.count < problem.n
     remaining = time_limit - (time.perf_counter() - started)
     if coarsened:
@@ -101,27 +102,24 @@ def solve(
         time_limit=remaining,
         progress=lambda value, best: report(f"CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms"),
     )
-    # CP-SAT's bound holds for `evaluate` only where its model priced its plan as evaluate does.
-    agrees = False
-    tolerance = 1e-9 * (blocks.count + len(blocks.nbytes) + 4)  # CP-SAT rounds each term up to whole nanoseconds
     if result.layout is not None:
-        mine = evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas)
-        found.append(mine)
-        agrees = abs(result.objective_seconds - mine.bottleneck_seconds) <= tolerance + _AGREE * mine.bottleneck_seconds
+        found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
     report("comparing against baselines")
     # The baselines exactly as `compare` reports them, so the plan is never worse than any of them.
-    found.extend(p for name, p in baselines(problem, stages, recompute, replicas).items() if name != "data-parallel")
+    found.extend(p for name, p in baselines(problem, stages, recompute, replicas, bounds=bounds).items() if name != "data-parallel")
     found.extend(also)
     start = _choose(found)
     if coarsened and start is not None:
-        found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bound.seconds, started + time_limit, _REFINE_CP_SHARE * time_limit, report))
+        found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, started + time_limit, _REFINE_CP_SHARE * time_limit, report))
     best = _choose(found, by_iteration)
     if best is None:
         raise OnnxpipeError(infeasible_message(problem, bound, stages))
     objective = best.bottleneck_seconds
-    # Over the coarse blocks: CP-SAT's bound (where its model agrees with evaluate); refined plans only improve on it.
-    on_blocks = max(min(result.bound_seconds, objective), bound.seconds) if agrees else bound.seconds
-    status = "OPTIMAL" if result.status == "OPTIMAL" and agrees and objective <= on_blocks * (1 + _AGREE) + tolerance else "FEASIBLE"
+    # Over the coarse blocks: CP-SAT's bound (its model is the pricing rule `evaluate` applies, each term rounded up
+    # to whole nanoseconds: `tolerance`); refined plans only improve on it.
+    tolerance = 1e-9 * (blocks.count + len(blocks.nbytes) + 4)
+    on_blocks = max(min(result.bound_seconds, objective), bound.seconds) if result.layout is not None else bound.seconds
+    status = "OPTIMAL" if result.status == "OPTIMAL" and objective <= on_blocks + tolerance else "FEASIBLE"
     proven = bound.seconds if coarsened else on_blocks  # a bound over the blocks holds for every plan only when blocks are nodes
     info = SolveInfo(
         status=status,
@@ -141,7 +139,7 @@ def _refine(
     stages: int,
     recompute: str,
     replicas: bool,
-    floor: float,
+    bounds: Bounds,
     deadline: float,
     cp_seconds: float,
     report: Callable[[str], None],
@@ -159,7 +157,7 @@ def _refine(
         layout = solve_dp(problem, finer, stages, recompute, replicas)
         if layout is None:
             break
-        found.append(evaluate(problem, to_assignment(problem, finer, layout), replicas=replicas))
+        found.append(evaluate(problem, to_assignment(problem, finer, layout), replicas=replicas, bounds=bounds))
         if not (fits(found[-1]) and found[-1].bottleneck_seconds < best.bottleneck_seconds * (1 - _IMPROVES)):
             break
         best = found[-1]
@@ -169,9 +167,9 @@ def _refine(
     if remaining > 0:
         report(f"refining: CP-SAT over {finer.count} blocks, up to {remaining:.0f} s")
         result = solve_cpsat(problem, finer, stages, recompute=recompute, replicas=replicas, hint=_layout_of(problem, best, finer, replicas),
-                             floor_seconds=floor, ceiling_seconds=best.bottleneck_seconds, time_limit=remaining)
+                             floor_seconds=bounds(stages, replicas).seconds, ceiling_seconds=best.bottleneck_seconds, time_limit=remaining)
         if result.layout is not None:
-            found.append(evaluate(problem, to_assignment(problem, finer, result.layout), replicas=replicas))
+            found.append(evaluate(problem, to_assignment(problem, finer, result.layout), replicas=replicas, bounds=bounds))
     return found
 
 

@@ -34,8 +34,8 @@ def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, 
 def write_report(pipeline: Pipeline, path: str | os.PathLike, target: str) -> tuple[Path, ...]:
     """The plan's report with the simulated step (the run's schedule and micro-batches) and the last measured step."""
     from onnxpipe import report
-    from onnxpipe.simulate import plan_target, read_plan, simulate
+    from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
 
     plan = read_plan(pipeline.directory)
-    sim = simulate(plan, plan_target(plan, target), schedule=pipeline.config.schedule, microbatches=pipeline.config.microbatches)
+    sim = simulate_plan(plan, plan_target(plan, target), schedule=pipeline.config.schedule, microbatches=pipeline.config.microbatches)
     return report.write(path, plan, sim, measured=pipeline.last_events)

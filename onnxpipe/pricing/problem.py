@@ -20,7 +20,7 @@ from onnxpipe.graph import Graph
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.target import Target
 
-__all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight", "held"]
+__all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight"]
 
 #: Optimizer state per parameter byte.
 OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
@@ -110,12 +110,6 @@ def in_flight(schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
     """Micro-batches whose activations each stage holds at once under a schedule."""
     table = schedules.build(schedule, stages, microbatches)
     return tuple(schedules.in_flight(actions) for actions in table)
-
-
-def held(flight: int, replicas: int) -> int:
-    """Whole micro-batches one replica holds at once when its stage keeps `flight` in flight: replicas
-    take micro-batches round-robin, and one owns ceil(flight / replicas) of any `flight` consecutive ones."""
-    return -(-flight // replicas)
 
 
 def dominant_dtype(graph: Graph) -> str:
