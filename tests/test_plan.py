@@ -370,7 +370,7 @@ def test_replica_holds_whole_microbatches() -> None:
 
 
 def test_evaluate_finds_weights_tied_across_stages() -> None:
-    w = helper.make_tensor("w", TensorProto.FLOAT, [16, 16], [0.01] * 256)
+    w = helper.make_tensor("w", TensorProto.FLOAT, [16, 16], [0.01 * (i % 7 + 1) for i in range(256)])  # not constant-valued: a tie, not a merged constant
     nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="n0"), helper.make_node("Relu", ["a"], ["b"], name="n1"),
              helper.make_node("Transpose", ["w"], ["wt"], name="t"), helper.make_node("MatMul", ["b", "wt"], ["y"], name="n2")]
     graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
