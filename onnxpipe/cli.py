@@ -268,7 +268,7 @@ def split(
     stages: int = typer.Option(None, "--stages", help="Number of stages (default: the planner chooses)."),
     batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
     microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches per iteration."),
-    schedule: str = typer.Option(None, "--schedule", help="Pipeline schedule: gpipe or 1f1b."),
+    schedule: str = typer.Option(None, "--schedule", help="Pipeline schedule: gpipe, 1f1b or zb-h1."),
     optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
     time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
@@ -402,7 +402,7 @@ def plan_command(
     batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
     microbatches: str = typer.Option(None, "--microbatches",
                                      help="Micro-batches per iteration, or 'auto' to explore (default: 2 x stages, or 2 x devices without --stages)."),
-    schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, or auto to explore both."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, zb-h1, or auto to explore all three."),
     optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
     time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the solver may search."),
@@ -477,7 +477,7 @@ def train(
     stages: int = typer.Option(None, "--stages", help="Number of stages when planning a model (default: the planner chooses)."),
     batch: int = typer.Option(None, "--batch", help="Global batch per step (micro-batches x the stage files' batch)."),
     microbatches: int = typer.Option(4, "--microbatches", help="Micro-batches per step."),
-    schedule: str = typer.Option("1f1b", "--schedule", help="Pipeline schedule: gpipe or 1f1b."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="Pipeline schedule: gpipe, 1f1b or zb-h1; a stage directory also runs interleaved or zb-v (each stage its own worker, in the order of the device the schedule puts it on)."),
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to train (a resumed run continues up to this count)."),
     data: str = typer.Option("synthetic", "--data", help="FILE.npz with one array per model input (and labels), or 'synthetic'."),
     lr: float = typer.Option(0.01, "--lr", help="Learning rate."),
@@ -570,7 +570,7 @@ def train(
 def simulate_command(
     plan_path: str = typer.Argument(..., metavar="PLAN|DIR", help="A plan JSON or a stage directory (holding plan.json)."),
     target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
-    schedule: str = typer.Option(None, "--schedule", help="Simulate another schedule: gpipe or 1f1b (default: the plan's)."),
+    schedule: str = typer.Option(None, "--schedule", help="Simulate another schedule: gpipe, 1f1b, zb-h1, or interleaved / zb-v with each device running the stages the schedule places on it (default: the plan's)."),
     microbatches: int = typer.Option(None, "--microbatches", min=1, help="Micro-batches for the same global batch (default: the plan's)."),
     json_path: str = typer.Option(None, "--json", help="Write the figures and the timeline as JSON (the names `train --json` uses)."),
 ) -> None:
@@ -596,7 +596,7 @@ def simulate_command(
     console.print(f"iteration {sim.iteration_seconds * ms:.3f} ms, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%} "
                   f"(planner's estimate {plan.iteration_seconds * ms:.3f} ms)", highlight=False)
     if len(sim.devices) <= 8 and sim.microbatches <= 8:
-        console.print(escape(schedules.render(schedules.build(sim.schedule, len(sim.devices), sim.microbatches))), highlight=False)
+        console.print(escape(schedules.render(schedules.table(sim.schedule, len(sim.devices), sim.microbatches))), highlight=False)
     if json_path:
         write_json(json_path, sim.to_json())
         console.print(f"wrote {escape(json_path)}", highlight=False)
@@ -609,7 +609,7 @@ def report_command(
     output: str = typer.Option("report.html", "-o", "--output", help="The HTML page; the figures go beside it as <name>_*.png."),
     target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
     model: str = typer.Option(None, "--model", help="The .onnx the plan was made for (default: the plan's model path, if it exists)."),
-    schedule: str = typer.Option(None, "--schedule", help="Draw another schedule: gpipe or 1f1b (default: the plan's)."),
+    schedule: str = typer.Option(None, "--schedule", help="Draw another schedule: gpipe, 1f1b, zb-h1, interleaved or zb-v (default: the plan's)."),
     microbatches: int = typer.Option(None, "--microbatches", min=1, help="Micro-batches for the same global batch (default: the plan's)."),
 ) -> None:
     """Write one HTML page about a plan: stage table, schedule Gantt chart, memory per device, the model by stage."""

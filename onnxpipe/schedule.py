@@ -93,9 +93,6 @@ def one_f_one_b(stages: int, microbatches: int) -> Table:
     return tuple(table)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
 def build(schedule: str, stages: int, microbatches: int) -> Table:
     """The compute table of a named schedule."""
     if schedule not in SCHEDULES:
@@ -326,6 +323,10 @@ TABLES = {
 }
 
 
+#: The schedules with one stage per device, which the planner explores (`--schedule auto`) and `build` makes.
+SCHEDULES = {name: TABLES[name][0] for name in ("gpipe", "1f1b", "zb-h1")}
+
+
 def virtual(schedule: str) -> int:
     """Stages each device holds under a schedule (1 for GPipe, 1F1B and ZB-H1)."""
     if schedule not in TABLES:
@@ -334,8 +335,8 @@ def virtual(schedule: str) -> int:
 
 
 def table(schedule: str, stages: int, microbatches: int) -> Table:
-    """The compute table of any schedule in `TABLES`, one row per device, checked by `ensure_valid`.
-    (`build` gives the schedules every consumer runs today: one stage per device, whole backwards.)"""
+    """The compute table of any schedule in `TABLES`, one row per device, checked by `ensure_valid`
+    (`build` gives those of `SCHEDULES`, one stage per device)."""
     v = virtual(schedule)
     if stages < v or stages % v or microbatches < 1:
         raise OnnxpipeError(

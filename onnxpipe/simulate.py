@@ -10,6 +10,10 @@ order on its device(s). F and B take the stage's per-micro-batch seconds (a reco
 backward seconds already include its second forward) plus the device's fixed `action_overhead`;
 B also hands the stage's weight gradients to the executor, which sums them over the micro-batches
 (gradient bytes / the device's `gradient_bandwidth`, measured: the profile's node times miss it).
+Where the table splits a stage's backward (ZB-H1, ZB-V), B takes its backward less its `weight`
+seconds and W the weight seconds and the hand-off; the stash stays from F until W (what W reads).
+A device that holds several stages (interleaved 1F1B, ZB-V: `schedule.stage_rows`) is one worker
+running all their actions in its row's order, on the devices of the row's first stage.
 SEND starts a transfer and does not block the sender; RECV blocks until the matching transfer has
 arrived. Every directed device pair is one physical link channel: transfers in flight on it share
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
@@ -43,12 +47,13 @@ devices' `step_overhead` after the last STEP (the driver's share of a step: post
 
 Definitions shared with the executor's measurements:
 - `iteration_seconds`: from the first action to the end of the last STEP, plus the step overhead.
-- `busy_seconds[s]`: seconds stage s spends computing: F, B and the optimizer step (not
+- `busy_seconds[s]`: seconds stage s spends computing: F, B, W and the optimizer step (not
   transfers, not all-reduce); for a replicated stage the largest over its replicas, each
   replica's own in `replica_busy_seconds[s]` (JSON: the stage entry's `replicas` list).
-- `peak_memory_bytes[s]`: likewise the largest over the stage's replicas.
+- `peak_memory_bytes[s]`: likewise the largest over the stage's replicas (of its device, which
+  holds every stage on it).
 - `bubble_fraction = 1 - sum of every worker's busy seconds / (workers * iteration_seconds)`,
-  one worker per (stage, replica).
+  one worker per (stage, replica), or per (device, replica) when a device holds several stages.
 """
 
 from __future__ import annotations
@@ -66,9 +71,9 @@ from onnxpipe.target import HostModel, Target
 __all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate"]
 
 #: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
-EVENT_KINDS = ("F", "B", "SEND", "RECV", "ALLREDUCE", "STEP")
+EVENT_KINDS = ("F", "B", "W", "SEND", "RECV", "ALLREDUCE", "STEP")
 #: Kinds that count as busy.
-_COMPUTE = ("F", "B", "STEP")
+_COMPUTE = ("F", "B", "W", "STEP")
 
 
 @dataclass(frozen=True)
@@ -151,27 +156,33 @@ def simulate(table: sched.Table, stages: tuple[StageCost, ...], target: Target, 
     run = _Run(table, stages, target, background)
     events, memory, end = run.run()
     places = run.places
-    busy_w = [sum(e.end - e.start for e in events if (e.stage, e.replica) == place and e.kind in _COMPUTE) for place in places]
+    busy_w = [0.0] * len(places)
+    #: Per stage, per replica: its own compute (a device holding several stages splits its busy time among them).
+    busy_s = [[0.0] * c.replicas for c in stages]
+    for e in events:
+        if e.kind in _COMPUTE:
+            busy_w[run.worker(e.stage, e.replica)] += e.end - e.start
+            busy_s[e.stage][e.replica] += e.end - e.start
     peak_w = [max(b for _, b in samples) for samples in memory]
-    mine = [[w for w, (s, _) in enumerate(places) if s == i] for i in range(len(stages))]
+    mine = [[run.worker(i, j) for j in range(c.replicas)] for i, c in enumerate(stages)]
     fullest = [max(ws, key=lambda w: peak_w[w]) for ws in mine]
     iteration = end + max(c.step_overhead for c in stages)
     bubble = 1.0 - sum(busy_w) / (len(places) * iteration) if iteration > 0 else 0.0
     return Simulation(
         schedule=schedule,
-        microbatches=sum(1 for a in table[0] if a.op == "F"),
+        microbatches=len({a.microbatch for a in table[0] if a.op == "F"}),
         batch=batch,
         iteration_seconds=iteration,
         samples_per_s=batch / iteration if iteration > 0 else math.inf,
         bubble_fraction=bubble,
-        busy_seconds=tuple(max(busy_w[w] for w in ws) for ws in mine),
+        busy_seconds=tuple(max(b) for b in busy_s),
         peak_memory_bytes=tuple(peak_w[w] for w in fullest),
         static_memory_bytes=tuple(c.memory.static for c in stages),
         capacity_bytes=tuple(c.memory.capacity for c in stages),
         devices=tuple(c.devices for c in stages),
         events=events,
         memory=tuple(memory[w] for w in fullest),
-        replica_busy_seconds=tuple(tuple(busy_w[w] for w in ws) for ws in mine),
+        replica_busy_seconds=tuple(tuple(b) for b in busy_s),
         replica_peak_memory_bytes=tuple(tuple(peak_w[w] for w in ws) for ws in mine),
     )
 
@@ -308,7 +319,7 @@ class _Cores:
         share = min(1.0, self.cores / len(self._holding))
         crowded = len(self.active) > 1 and sum(self._working[w] for w in self.active) > self._cache
         # A message's CPU was measured beside a worker reading through memory: no slowdown on top.
-        return {w: share / (1 + self._corun[w]) if crowded and job[1] in ("F", "B") else share for w, job in self.active.items()}
+        return {w: share / (1 + self._corun[w]) if crowded and job[1] in ("F", "B", "W") else share for w, job in self.active.items()}
 
     def next_time(self, now: float) -> float:
         if not self.active:
@@ -348,10 +359,17 @@ class _Run:
 
     def __init__(self, table: sched.Table, stages: tuple[StageCost, ...], target: Target, background: float) -> None:
         self.stages, self.target = stages, target
-        #: (stage, replica) of every worker.
-        self.places = [(s, j) for s, c in enumerate(stages) for j in range(c.replicas)]
-        self.rows = sched.replicate(sched.add_communication(table), tuple(c.replicas for c in stages))
-        self._first = {s: self.places.index((s, 0)) for s in range(len(stages))}
+        #: The row (device) of each stage; the first stage of each row, whose devices and replicas the row's others share.
+        self.row_of = sched.stage_rows(table)
+        self._lead = [self.row_of.index(r) for r in range(len(table))]
+        #: (row, replica) of every worker: one per stage replica, or per device replica when a device holds several stages.
+        self.places = [(r, j) for r, s in enumerate(self._lead) for j in range(stages[s].replicas)]
+        self.rows = sched.replicate(sched.add_communication(table), tuple(stages[s].replicas for s in self._lead))
+        self._first = {r: self.places.index((r, 0)) for r in range(len(table))}
+        #: Stages whose backward the table splits into B and W (W frees the stash and hands the gradients over).
+        self.split = {a.stage for row in table for a in row if a.op == "W"}
+        #: Per worker: the stage of the action it is running.
+        self.acting = [self._lead[r] for r, _ in self.places]
         n = len(self.rows)
         self.cursor = [0] * n
         self.free_at = [0.0] * n
@@ -363,23 +381,27 @@ class _Run:
         self.started: dict[_Key, float] = {}
         self.arrived: dict[_Key, float] = {}
         #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
-        self.at_step: set[int] = set()
-        #: Per stage: the workers whose STEP exchanges gradients with its own (its replicas, the tied stages').
-        self.holders = [[self.owner(t, i) for t in sorted({s, *c.tied}) for i in range(stages[t].replicas)] for s, c in enumerate(stages)]
+        self.at_step: set[tuple[int, int]] = set()
+        #: Per stage: the (worker, stage) STEPs that exchange gradients with its own (its replicas, the tied stages').
+        self.holders = [[(self.owner(t, i), t) for t in sorted({s, *c.tied}) for i in range(stages[t].replicas)] for s, c in enumerate(stages)]
         self.events: list[Event] = []
-        self.live = [stages[s].memory.static for s, _ in self.places]
+        self.live = [sum(c.memory.static for t, c in enumerate(stages) if self.row_of[t] == r) for r, _ in self.places]
         self.memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in self.live]
         self.links = _Links(target)
-        self.cores = _Cores([(stages[s], stages[s].devices[j]) for s, j in self.places], target, background)
+        self.cores = _Cores([(stages[self._lead[r]], self.device(w)) for w, (r, _) in enumerate(self.places)], target, background)
         self.now = 0.0
 
     def owner(self, stage: int, mb: int) -> int:
         """The worker (replica of `stage`) that runs micro-batch `mb`."""
-        return self._first[stage] + mb % self.stages[stage].replicas
+        return self.worker(stage, mb % self.stages[stage].replicas)
+
+    def worker(self, stage: int, replica: int) -> int:
+        """The worker that runs replica `replica` of `stage`."""
+        return self._first[self.row_of[stage]] + replica
 
     def device(self, w: int) -> str:
-        s, j = self.places[w]
-        return self.stages[s].devices[j]
+        r, j = self.places[w]
+        return self.stages[self._lead[r]].devices[j]
 
     def link_of(self, key: _Key) -> tuple[str, str]:
         """(sender's device, receiver's device) of a transfer."""
@@ -396,7 +418,7 @@ class _Run:
             later = min([t for t in self.free_at if t > self.now] + [self.links.next_time(self.now), self.cores.next_time(self.now)])
             if math.isinf(later):
                 stuck = next(w for w in range(n) if self.cursor[w] < len(self.rows[w]))
-                raise OnnxpipeError(f"simulation stalled: stage {self.places[stuck][0]} waits forever at {self.rows[stuck][self.cursor[stuck]]}")
+                raise OnnxpipeError(f"simulation stalled: stage {self._lead[self.places[stuck][0]]} waits forever at {self.rows[stuck][self.cursor[stuck]]}")
             self.advance(later)
         # Changes at one instant (a backward freeing, the next forward stashing) become one sample.
         memory = [[p for i, p in enumerate(samples) if i + 1 == len(samples) or samples[i + 1][0] != p[0]] for samples in self.memory]
@@ -425,18 +447,19 @@ class _Run:
 
     def act(self, w: int, a: sched.Action) -> bool:
         """Start the worker's next action; False when it must wait (its message has not arrived, or other holders are not at STEP)."""
+        self.acting[w] = a.stage
         if a.op in ("RECV_F", "RECV_B"):
             return self.receive(w, a)
         if a.op in ("SEND_F", "SEND_B"):
             self.send(w, a)
-        elif a.op in ("F", "B"):
+        elif a.op in ("F", "B", "W"):
             self.compute_action(w, a)
         else:
-            return self.optimizer_step(w)
+            return self.optimizer_step(w, a.stage)
         return True
 
     def receive(self, w: int, a: sched.Action) -> bool:
-        s, j = self.places[w]
+        s, j = a.stage, self.places[w][1]
         key = (a.op[-1], s, a.microbatch)
         if key not in self.arrived:
             return False
@@ -449,7 +472,7 @@ class _Run:
         return True
 
     def send(self, w: int, a: sched.Action) -> None:
-        s, _ = self.places[w]
+        s = a.stage
         kind, peer = ("F", s + 1) if a.op == "SEND_F" else ("B", s - 1)
         key = (kind, peer, a.microbatch)
         nbytes = self.stages[s].out_bytes if kind == "F" else self.stages[peer].out_bytes
@@ -465,19 +488,25 @@ class _Run:
             self.blocked_on[w] = key
 
     def compute_action(self, w: int, a: sched.Action) -> None:
-        """F or B on one replica: a whole micro-batch (r x the stage's share), plus the fixed costs."""
-        c = self.stages[self.places[w][0]]
+        """F, B or W on one replica: a whole micro-batch (r x the stage's share), plus the fixed costs. Where
+        the table splits the stage's backward, B takes backward - weight seconds and W the weight seconds
+        and the gradient hand-off."""
+        c = self.stages[a.stage]
+        split = a.stage in self.split
         if a.op == "F":
             self.mem(w, self.now, c.stash)
             self.compute(w, c.forward * c.replicas + c.action_overhead, a.op, a.microbatch)
-        else:
+        elif a.op == "B":
             self.mem(w, self.now, c.during_backward)
-            self.compute(w, c.backward * c.replicas + c.action_overhead + c.handing, a.op, a.microbatch)
+            seconds = (c.backward - c.weight if split else c.backward) * c.replicas
+            self.compute(w, seconds + c.action_overhead + (0.0 if split else c.handing), a.op, a.microbatch)
+        else:
+            self.compute(w, c.weight * c.replicas + c.action_overhead + c.handing, a.op, a.microbatch)
 
-    def optimizer_step(self, w: int) -> bool:
-        s, j = self.places[w]
+    def optimizer_step(self, w: int, s: int) -> bool:
+        j = self.places[w][1]
         c = self.stages[s]
-        self.at_step.add(w)
+        self.at_step.add((w, s))
         if any(h not in self.at_step for h in self.holders[s]):
             return False
         allreduce = c.allreduce + c.tied_allreduce
@@ -496,7 +525,7 @@ class _Run:
             self.finish(w, op, mb, self.now, self.now + work)
 
     def finish(self, w: int, op: str, mb: int, start: float, end: float) -> None:
-        s, j = self.places[w]
+        s, j = self.acting[w], self.places[w][1]
         self.free_at[w] = end
         if op.startswith("SEND"):  # its event spans until arrival, added then
             key, self.message[w] = self.message[w], None
@@ -509,8 +538,11 @@ class _Run:
             self.events.append(Event(s, "RECV", mb, self.started[key], end, j))
             return
         self.events.append(Event(s, op, mb, start, end, j))
-        if op == "B":
-            self.mem(w, end, -self.stages[s].stash - self.stages[s].during_backward)
+        c = self.stages[s]
+        if op == "B":  # a split stage keeps the stash for W (what W reads), as the planner's in-flight count does
+            self.mem(w, end, -c.during_backward if s in self.split else -c.stash - c.during_backward)
+        elif op == "W":
+            self.mem(w, end, -c.stash)
 
     def mem(self, w: int, t: float, delta: float) -> None:
         self.live[w] += delta
@@ -523,6 +555,6 @@ class _Run:
         for key in self.links.advance(self.now, later):
             self.arrived[key] = later
             kind, receiver, mb = key
-            sender = self.owner(receiver - 1 if kind == "F" else receiver + 1, mb)
-            self.events.append(Event(self.places[sender][0], "SEND", mb, self.started[key], later, self.places[sender][1]))
+            stage = receiver - 1 if kind == "F" else receiver + 1
+            self.events.append(Event(stage, "SEND", mb, self.started[key], later, self.places[self.owner(stage, mb)][1]))
         self.now = later

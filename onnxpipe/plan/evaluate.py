@@ -31,7 +31,7 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
     bottleneck = max(c.seconds_per_microbatch(problem.microbatches) for c in costs)
     bound = (bounds(k, replicas) if bounds is not None else lower_bound(problem, k, replicas)).seconds
     info = solver or SolveInfo(status="given", bound_seconds=bound, gap=_gap(bottleneck, bound), solve_seconds=0.0, coarsening_loss=0.0, blocks=problem.n)
-    table = sched.build(problem.schedule, k, problem.microbatches)
+    table = sched.table(problem.schedule, k, problem.microbatches)
     graph = problem.graph
     return Plan(
         model=graph.source,
@@ -111,6 +111,7 @@ def _stage_plan(cost: StageCost, nodes: tuple[str, ...]) -> StagePlan:
         nodes=nodes,
         forward_seconds=cost.forward,
         backward_seconds=cost.backward,
+        weight_seconds=cost.weight,
         comm_in_seconds=cost.in_seconds,
         comm_out_seconds=cost.out_seconds,
         comm_in_bytes=cost.in_bytes,

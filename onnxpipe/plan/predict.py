@@ -38,7 +38,7 @@ def simulate_plan(plan: Plan, target: Target, *, schedule: str | None = None, mi
     costs = stage_costs(plan, target)
     if m != plan.microbatches:
         costs = tuple(_rescaled(c, plan.microbatches / m) for c in costs)
-    return simulate(sched.build(name, len(plan.stages), m), costs, target, schedule=name, batch=plan.batch, background=background)
+    return simulate(sched.table(name, len(plan.stages), m), costs, target, schedule=name, batch=plan.batch, background=background)
 
 
 def stage_costs(plan: Plan, target: Target) -> tuple[StageCost, ...]:
@@ -54,6 +54,7 @@ def stage_costs(plan: Plan, target: Target) -> tuple[StageCost, ...]:
             recompute=stage.recompute,
             forward=stage.forward_seconds,
             backward=stage.backward_seconds,
+            weight=stage.weight_seconds,
             in_bytes=stage.comm_in_bytes,
             out_bytes=stage.comm_out_bytes,
             in_seconds=stage.comm_in_seconds,
@@ -83,7 +84,7 @@ def _stash(stage: StagePlan, live: int) -> tuple[float, float]:
 def _rescaled(cost: StageCost, scale: float) -> StageCost:
     """The same stage at `scale` times the micro-batch size: work, messages and stashes grow linearly."""
     return dataclasses.replace(
-        cost, forward=cost.forward * scale, backward=cost.backward * scale, out_bytes=cost.out_bytes * scale,
+        cost, forward=cost.forward * scale, backward=cost.backward * scale, weight=cost.weight * scale, out_bytes=cost.out_bytes * scale,
         stash=cost.stash * scale, during_backward=cost.during_backward * scale,
     )
 

@@ -51,6 +51,9 @@ class StagePlan:
     #: cores and their working sets overflow its shared cache (0.1: 10% longer); 0 where the target has no
     #: `corun_bandwidth`.
     corun_slowdown: float = 0.0
+    #: The part of `backward_seconds` that computes weight gradients, which a split backward (ZB-H1) runs
+    #: as W; 0 when unknown (such a stage's W takes no time and its B the whole backward).
+    weight_seconds: float = 0.0
 
     @property
     def busy_seconds(self) -> float:

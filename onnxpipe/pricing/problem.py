@@ -22,6 +22,9 @@ from onnxpipe.target import Target
 
 __all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight"]
 
+#: Ops whose gradient node makes the input and the weight gradients at once (onnxruntime-training 1.19.2;
+#: `train.splitgrad`): a split backward runs them whole in B, leaving W nothing of theirs.
+FUSED_GRADIENT_OPS = frozenset({"LayerNormalization", "BatchNormalization", "LSTM"})
 #: Optimizer state per parameter byte.
 OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
 
@@ -50,6 +53,10 @@ class Problem:
     #: (groups, nodes) forward and backward seconds per micro-batch.
     forward: np.ndarray
     backward: np.ndarray
+    #: (groups, nodes) the seconds of each node's backward a split backward runs in W (weight gradients): half
+    #: the backward of a node reading a weight (its weight gradient has the forward's FLOPs, its input gradient
+    #: the other half), none of FUSED_GRADIENT_OPS or of nodes without weights.
+    weight: np.ndarray
     #: (nodes,) parameter bytes (not scaled by the batch) and activation bytes per micro-batch.
     params: np.ndarray
     activations: np.ndarray
@@ -108,8 +115,8 @@ class Problem:
 @lru_cache(maxsize=256)
 def in_flight(schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
     """Micro-batches whose activations each stage holds at once under a schedule."""
-    table = schedules.build(schedule, stages, microbatches)
-    return tuple(schedules.in_flight(actions) for actions in table)
+    table = schedules.table(schedule, stages, microbatches)
+    return tuple(schedules.in_flight(table[row]) for row in schedules.stage_rows(table))
 
 
 def dominant_dtype(graph: Graph) -> str:
@@ -158,6 +165,7 @@ def build_problem(
     corun_forward = np.array([[corun_seconds(target, members[g][0], c.param_bytes) for c in node_costs] for g in groups], dtype=float).reshape(
         len(groups), len(nodes))
     params = np.array([c.param_bytes for c in node_costs], dtype=float)
+    weighted = np.array([float(p > 0 and graph.node(n).op_type not in FUSED_GRADIENT_OPS) for n, p in zip(nodes, params)])
     activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
     names, producer, nbytes, consumers = _tensors(graph, nodes, scale)
     bandwidth = np.full((len(groups), len(groups)), np.inf)
@@ -185,6 +193,7 @@ def build_problem(
         group_devices=tuple(tuple(members[g]) for g in groups),
         forward=forward,
         backward=backward,
+        weight=backward * weighted / 2,
         params=params,
         activations=activations,
         tensor_names=names,

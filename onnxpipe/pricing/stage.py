@@ -127,6 +127,8 @@ class StageCost:
     forward: float
     #: Backward seconds, the recomputed forward included.
     backward: float
+    #: The part of `backward` a split backward runs in W (weight gradients); B runs the rest.
+    weight: float
     #: Bytes received from and sent to other stages per micro-batch, and the seconds spent on those messages.
     in_bytes: float
     out_bytes: float
@@ -179,6 +181,7 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
         recompute = assignment.recompute[s]
         forward = float(max(problem.forward[g, mask].sum() for g in groups[s])) / r
         backward = recomputed_backward(forward, float(max(problem.backward[g, mask].sum() for g in groups[s])) / r, recompute)
+        weight = float(max(problem.weight[g, mask].sum() for g in groups[s])) / r
         corun = float(max(problem.corun_forward[g, mask].sum() * (2 if recompute else 1) + problem.corun_backward[g, mask].sum()
                           for g in groups[s])) / r
         params = float(problem.params[mask].sum())
@@ -192,6 +195,7 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
             recompute=recompute,
             forward=forward,
             backward=backward,
+            weight=weight,
             in_bytes=float(comm.in_bytes[s]),
             out_bytes=float(comm.out_bytes[s]),
             in_seconds=float(comm.in_seconds[s]),
@@ -221,6 +225,7 @@ def stage_cost(
     recompute: bool,
     forward: float,
     backward: float,
+    weight: float,
     in_bytes: float,
     out_bytes: float,
     in_seconds: float,
@@ -245,6 +250,7 @@ def stage_cost(
         recompute=recompute,
         forward=forward,
         backward=backward,
+        weight=weight,
         in_bytes=in_bytes,
         out_bytes=out_bytes,
         in_seconds=in_seconds,
