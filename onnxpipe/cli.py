@@ -220,6 +220,7 @@ def annotate(
     json_file: str = typer.Option(None, "--json", help="Also write the cost summary as JSON."),
     profile: bool = typer.Option(False, "--profile", help="Measure node times in onnxruntime (CPU, one thread), forward and backward."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
+    shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
 ) -> None:
     """Cost every node (FLOPs, bytes, parameters, activations, backward) and print them per op type."""
     from rich.table import Table
@@ -229,7 +230,7 @@ def annotate(
     from onnxpipe.graph import load
     from onnxpipe.units import format_bytes, format_flops, format_seconds
 
-    graph = load(model, parse_dims(dim))
+    graph = load(model, parse_dims(dim), shapes_by_running=shapes_by_running)
     costs = annotate_costs(graph, profile=profile)
     rows, totals = summarize(costs)
     flops = lambda value: format_flops(value).removesuffix("/s")  # noqa: E731 - an amount, not a rate
@@ -273,6 +274,7 @@ def split(
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
     time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
+    shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
     plan_file: str = typer.Option(None, "--plan", help="Reuse a plan JSON written by `onnxpipe plan` or an earlier split."),
     cuts: str = typer.Option(None, "--cuts", help="Cut by hand after these tensors, comma-separated in data-flow order; devices in target order."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output directory."),
@@ -297,19 +299,20 @@ def split(
     if plan_file:
         from onnxpipe.plan.result import Plan
 
-        graph = load(model, parse_dims(dim), parse_ties(tie, untie))
+        graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
         plan = Plan.read(plan_file)
     elif cuts:
         from onnxpipe.cost import annotate as annotate_costs
         from onnxpipe.target import load_target
 
-        graph = load(model, parse_dims(dim), parse_ties(tie, untie))
+        graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
         plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
     else:
         from onnxpipe.plan import plan_model
 
         extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
-        graph, _, _, plan = plan_model(model, target, dims=parse_dims(dim), ties=parse_ties(tie, untie), **options, **extra)
+        graph, _, _, plan = plan_model(model, target, dims=parse_dims(dim), ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
+                                       **options, **extra)
     print_shared(graph.shared)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
@@ -409,6 +412,7 @@ def plan_command(
     compare: bool = typer.Option(False, "--compare", help="Also print every baseline side by side."),
     profile: bool = typer.Option(None, "--profile/--no-profile", help="Measure node times with onnxruntime (default: as the target says)."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
+    shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
     output: str = typer.Option(None, "-o", "--output", help="Write the plan JSON here."),
     tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
     untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
@@ -430,7 +434,7 @@ def plan_command(
         graph, costs, tgt, plan = plan_model(
             model, target, dims=parse_dims(dim), profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
-            ties=parse_ties(tie, untie),
+            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
         )
     print_shared(graph.shared)
     ms = 1e3
@@ -632,6 +636,7 @@ def report_command(
 def inspect_command(
     model: str = typer.Argument(..., help="The .onnx model."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
+    shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
     nodes: bool = typer.Option(False, "--nodes", help="List every compute node with its outputs (names to give --cuts)."),
     tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
     untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
@@ -645,7 +650,7 @@ def inspect_command(
     from onnxpipe.train.graphs import UNTRAINABLE_OPS
     from onnxpipe.units import format_bytes
 
-    graph = load(model, parse_dims(dim), parse_ties(tie, untie))
+    graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
     console.print(f"[bold]{graph.source}[/]: {len(graph.compute_nodes)} compute nodes, {len(graph.constant_nodes)} constant nodes, "
                   f"ir_version {graph.model.ir_version}, opsets " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in graph.model.opset_import))
     io = Table("", "name", "dtype", "shape", title="inputs and outputs")

@@ -43,6 +43,7 @@ from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, MissingShape, forward_flops
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
+from onnxpipe.protostream import load_weights
 
 __all__ = [
     "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "summarize",
@@ -377,6 +378,7 @@ def write_annotated(graph: Graph, costs: Costs, path: str | os.PathLike) -> None
     Models past protobuf's 2 GB limit keep their weights in `<file>.data` beside it."""
     model = onnx.ModelProto()
     model.CopyFrom(graph.model)
+    load_weights(model, graph.weights_dir or ".")
     for node in model.graph.node:
         cost = costs.nodes.get(node.name)
         if cost is not None:

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import REWRITTEN_OPS, REWRITTEN_SUFFIXES, complete_optional_outputs, cpu_session, gradient_model, pretraining_rewrite, state_inputs
+from onnxpipe.protostream import load_weights
 
 __all__ = ["profile_times"]
 
@@ -42,6 +43,7 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2) -> tuple[dict
         raise OnnxpipeError(f"profile runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
     model = onnx.ModelProto()
     model.CopyFrom(graph.model)
+    load_weights(model, graph.weights_dir or ".")  # profiling runs the model: it needs every weight
     model.ir_version = min(model.ir_version, 10)
     feeds = _feeds(graph)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:

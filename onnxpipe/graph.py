@@ -1,13 +1,14 @@
 """The graph IR: an ONNX model bound to concrete shapes, seen as a networkx multigraph of its nodes.
 
 Reading order: `load` (public entry) -> `_read_model` -> `_normalize` -> `_bind_dims`
--> `_infer_shapes` -> `Graph` construction helpers.
+-> `_infer_shapes` (`shapes.infer`) -> `_ensure_valid` -> `cleanup.clean` -> `_tensor_infos` -> `_build`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -17,20 +18,18 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper, numpy_helper
 
+from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
+from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures
 from onnxpipe.ortutil import cpu_session
-from onnxpipe.protostream import is_streamable, raw_nbytes, read_model, skeleton
+from onnxpipe.protostream import read_model, skeleton
+from onnxpipe.shapes import Inferred, infer, static_shape
 
 __all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
 
-#: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
-
-#: Initializers larger than this have their bytes lifted out during shape inference.
-_LIFT_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,12 @@ class Graph:
     def untied(self) -> tuple[str, ...]:
         """Names of the file's initializers that were given one copy per reading module."""
         return tuple(s.name for s in self.shared if s.untied)
+
+    @property
+    def weights_dir(self) -> str | None:
+        """The folder the model's on-disk weights are read from (external-data locations are relative
+        to it); None for a model given in memory."""
+        return None if self.source == "<memory>" else str(Path(self.source).parent)
 
     def node(self, name: str) -> onnx.NodeProto:
         """The NodeProto of a node name."""
@@ -159,24 +164,23 @@ class Graph:
         return cache.get(tensor, ())
 
 
-def is_weight(dtype: str, shape: tuple[int, ...]) -> bool:
-    """A floating-point initializer of more than one element is a trainable weight; scalars and
-    one-element tensors (a Pow exponent, a 1/sqrt(d) scale, a mask fill value) are constants."""
-    return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1
-
-
-def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None, ties: TieChoice | None = None) -> Graph:
-    """Load a model, untie exporter-merged weights (`onnxpipe.initializers`; `ties` overrides), bind
-    its symbolic dims, infer every shape and build the node DAG."""
+def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None, ties: TieChoice | None = None, *,
+         shapes_by_running: bool = False) -> Graph:
+    """Load a model (its weights' bytes stay on disk), untie exporter-merged weights (`onnxpipe.initializers`;
+    `ties` overrides), bind its symbolic dims, infer every shape without running it, fold its shape
+    arithmetic and drop Identity copies (`cleanup`), and build the node DAG. `shapes_by_running`: shapes
+    static inference cannot find are read off one run of the model on zeros (opt-in: it needs the model's
+    full memory and time)."""
     model, origin = _read_model(source)
     model = _normalize(model)
-    shared = shared_initializers(model, ties or TieChoice())
+    shared = shared_initializers(model, ties or TieChoice(), None if origin == "<memory>" else Path(origin).parent)
     untie_in_place(model, (s.name for s in shared if s.untied))
     dims = dict(dims or {})
     _bind_dims(model, dims, origin)
-    model = _infer_shapes(model, origin)
-    tensors = _tensor_infos(model, origin)
-    _ensure_valid(model, tensors, origin)
+    inferred = _infer_shapes(model, origin)
+    _ensure_valid(model, inferred, origin)
+    clean(model, inferred.folded, inferred.folded_nodes)
+    tensors = _tensor_infos(model, origin, shapes_by_running)
     return dataclasses.replace(_build(model, tensors, dims, origin), shared=shared)
 
 
@@ -218,10 +222,8 @@ def _normalize(model: onnx.ModelProto) -> onnx.ModelProto:
 
     kept = []
     for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            tensor = onnx.TensorProto()
-            tensor.CopyFrom(node.attribute[0].t)
-            tensor.name = node.output[0]
+        tensor = _constant_value(node)
+        if tensor is not None:
             graph.initializer.append(tensor)
         else:
             kept.append(node)
@@ -237,6 +239,26 @@ def _normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     if model.ir_version < 4:
         model.ir_version = 4
     return model
+
+
+#: Constant's attribute forms other than a tensor, and the numpy type of each.
+_CONSTANT_FORMS = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64, "value_ints": np.int64}
+
+
+def _constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The initializer a Constant node stands for (any of its numeric forms), None for other nodes."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+        return None
+    attr = node.attribute[0]
+    if attr.name == "value":
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(attr.t)
+    elif attr.name in _CONSTANT_FORMS:
+        tensor = numpy_helper.from_array(np.asarray(helper.get_attribute_value(attr), dtype=_CONSTANT_FORMS[attr.name]))
+    else:
+        return None
+    tensor.name = node.output[0]
+    return tensor
 
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> None:
@@ -264,27 +286,27 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> Non
                 raise OnnxpipeError(f"{origin}: dim '{label}' of input '{vi.name}' is unbound; costs depend on it, set it with {hint}")
 
 
-def _infer_shapes(model: onnx.ModelProto, origin: str) -> onnx.ModelProto:
-    """Infer shapes on a copy of the model whose large weights carry dims but no bytes: shape
-    inference needs only their dims, and this keeps peak memory near one copy of the model."""
-    probe = skeleton(model, "graph")
-    probe.graph.CopyFrom(skeleton(model.graph, "initializer"))
-    for t in model.graph.initializer:
-        probe.graph.initializer.append(skeleton(t, "raw_data") if is_streamable(t) and raw_nbytes(t) > _LIFT_BYTES else t)
+def _infer_shapes(model: onnx.ModelProto, origin: str) -> Inferred:
+    """Every value's type and shape from static inference (weights seen as dims, never bytes), the
+    model's value_info and outputs updated with them."""
     try:
-        inferred = shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
+        inferred = infer(model)
     except Exception as exc:
         raise OnnxpipeError(
             f"{origin}: shape inference failed ({str(exc).splitlines()[0][:200]}); run onnx.checker on the model and fix the reported node"
         ) from exc
     del model.graph.value_info[:]
-    model.graph.value_info.extend(inferred.graph.value_info)
-    for mine, theirs in zip(model.graph.output, inferred.graph.output):
-        mine.CopyFrom(theirs)
-    return model
+    outputs = {vi.name for vi in model.graph.output}
+    inputs = {vi.name for vi in model.graph.input}
+    model.graph.value_info.extend(vi for name, vi in inferred.value_info.items() if name not in outputs and name not in inputs)
+    for mine in model.graph.output:
+        theirs = inferred.value_info.get(mine.name)
+        if theirs is not None and static_shape(theirs) is not None:
+            mine.CopyFrom(theirs)
+    return inferred
 
 
-def _ensure_valid(model: onnx.ModelProto, tensors: Mapping[str, TensorInfo], origin: str) -> None:
+def _ensure_valid(model: onnx.ModelProto, inferred: Inferred, origin: str) -> None:
     """onnx.checker on the model's structure (nodes, attributes, opsets, order) without its weights:
     initializers become typed graph inputs, so the check costs the same for 10 KB and 10 GB models.
     Types the file leaves out but shape inference found are filled in; the checker would reject
@@ -295,10 +317,10 @@ def _ensure_valid(model: onnx.ModelProto, tensors: Mapping[str, TensorInfo], ori
     for t in model.graph.initializer:
         probe.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     for vi in [*probe.graph.input, *probe.graph.output]:
-        info = tensors.get(vi.name)
+        info = inferred.value_info.get(vi.name)
         if info is not None and (not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape")
                                  or not vi.type.tensor_type.elem_type):
-            vi.CopyFrom(helper.make_tensor_value_info(vi.name, helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)), list(info.shape)))
+            vi.CopyFrom(info)
     try:
         onnx.checker.check_model(probe)
     except onnx.checker.ValidationError as exc:
@@ -312,36 +334,60 @@ def _value_infos(model: onnx.ModelProto) -> Iterable[onnx.ValueInfoProto]:
     yield from model.graph.output
 
 
-def _static_shape(vi: onnx.ValueInfoProto) -> tuple[int, ...] | None:
-    tt = vi.type.tensor_type
-    if not vi.type.HasField("tensor_type") or not tt.HasField("shape") or tt.elem_type == 0:
-        return None
-    dims = []
-    for d in tt.shape.dim:
-        if not d.HasField("dim_value"):
-            return None
-        dims.append(int(d.dim_value))
-    return tuple(dims)
-
-
-def _tensor_infos(model: onnx.ModelProto, origin: str) -> dict[str, TensorInfo]:
+def _tensor_infos(model: onnx.ModelProto, origin: str, run_for_shapes: bool) -> dict[str, TensorInfo]:
     infos: dict[str, TensorInfo] = {}
     for t in model.graph.initializer:
         infos[t.name] = TensorInfo(t.name, helper.tensor_dtype_to_np_dtype(t.data_type).name, tuple(int(d) for d in t.dims))
     for vi in _value_infos(model):
-        shape = _static_shape(vi)
+        shape = static_shape(vi)
         if shape is not None and vi.name not in infos:
             infos[vi.name] = TensorInfo(vi.name, helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type).name, shape)
+    infos.update(_sequence_infos(model, infos))
     missing = [o for n in model.graph.node for o in n.output if o and o not in infos]
-    if missing:
+    if missing and run_for_shapes:
         infos.update(_shapes_by_running(model, missing, origin))
+    elif missing:
+        first = next(n for n in model.graph.node if missing[0] in n.output)
+        raise OnnxpipeError(
+            f"{origin}: static shape inference cannot tell the shapes of {len(missing)} tensors (first: '{missing[0]}' of "
+            f"{first.op_type} node '{first.name}'); bind every symbolic dim with --dim, or pass --shapes-by-running to learn "
+            "them by running the whole model once on zeros in onnxruntime (needs the model's full memory)"
+        )
     return infos
 
 
+def _sequence_infos(model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """Sequences of equal-shaped tensors as one tensor of shape (count, *element shape), so their bytes
+    are known: the count of a SplitToSequence is its input's size over an element's, of a
+    SequenceConstruct its input count."""
+    producers = {o: n for n in model.graph.node for o in n.output if o}
+    found: dict[str, TensorInfo] = {}
+    for vi in _value_infos(model):
+        node = producers.get(vi.name)
+        if vi.name in infos or node is None or not vi.type.HasField("sequence_type"):
+            continue
+        elem = onnx.ValueInfoProto(name=vi.name, type=vi.type.sequence_type.elem_type)
+        shape = static_shape(elem)
+        if shape is None:
+            continue
+        whole = infos.get(node.input[0]) if node.input else None
+        if node.op_type == "SplitToSequence" and whole is not None and math.prod(shape):
+            count = math.prod(whole.shape) // math.prod(shape)
+        elif node.op_type == "SequenceConstruct":
+            count = len(node.input)
+        else:
+            continue
+        found[vi.name] = TensorInfo(vi.name, helper.tensor_dtype_to_np_dtype(elem.type.tensor_type.elem_type).name, (count, *shape))
+    return found
+
+
 def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) -> dict[str, TensorInfo]:
-    """Shapes static inference could not find, read off one run on zero inputs in onnxruntime."""
+    """Shapes static inference could not find, read off one run on zero inputs in onnxruntime: the
+    opt-in fallback for ops whose output shapes depend on data."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):
+        onnx.external_data_helper.load_external_data_for_model(probe, str(Path(origin).parent))
     del probe.graph.output[:]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in missing)
     if probe.ir_version > 10:
@@ -351,7 +397,7 @@ def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) 
         feeds = {}
         for vi in model.graph.input:
             dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
-            feeds[vi.name] = np.zeros(_static_shape(vi) or (), dtype=dtype)
+            feeds[vi.name] = np.zeros(static_shape(vi) or (), dtype=dtype)
         values = session.run(missing, feeds)
     except Exception as exc:
         raise OnnxpipeError(
@@ -361,22 +407,26 @@ def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) 
     return {name: TensorInfo(name, np.asarray(v).dtype.name, tuple(np.asarray(v).shape)) for name, v in zip(missing, values)}
 
 
-def subgraph_captures(node: onnx.NodeProto) -> tuple[str, ...]:
-    """Names a node's subgraphs (If/Loop/Scan bodies, recursively) read from the enclosing scope."""
-    captured: list[str] = []
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-        for g in graphs:
-            defined = {i.name for i in g.input} | {t.name for t in g.initializer}
-            for inner in g.node:
-                for name in list(inner.input) + list(subgraph_captures(inner)):
-                    if name and name not in defined and name not in captured:
-                        captured.append(name)
-                defined.update(o for o in inner.output if o)
-            for out in g.output:
-                if out.name not in defined and out.name not in captured:
-                    captured.append(out.name)
-    return tuple(captured)
+def _topological_order(dag: nx.MultiDiGraph, index: Mapping[str, int]) -> tuple[str, ...]:
+    """Kahn's order, ties broken by file position: the file's own order when it is already topological.
+    (networkx's lexicographical sort walks multigraph edge views, seconds on a few thousand nodes.)"""
+    preds = {n: set(dag.pred[n]) - {n} for n in dag}
+    succs: dict[str, set[str]] = {n: set() for n in dag}
+    for n, ps in preds.items():
+        for p in ps:
+            succs[p].add(n)
+    waiting = {n: len(ps) for n, ps in preds.items()}
+    ready = [(index[n], n) for n, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for s in succs[n]:
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                heapq.heappush(ready, (index[s], s))
+    return tuple(order)
 
 
 def _build(model: onnx.ModelProto, tensors: dict[str, TensorInfo], dims: dict[str, int], origin: str) -> Graph:
@@ -400,7 +450,7 @@ def _build(model: onnx.ModelProto, tensors: dict[str, TensorInfo], dims: dict[st
                 dag.add_edge(src, n.name, key=t, tensor=t, dtype=info.dtype, shape=info.shape, bytes=info.nbytes)
     if not nx.is_directed_acyclic_graph(dag):
         raise OnnxpipeError(f"{origin}: the graph has a cycle; the model is malformed, re-export it")
-    order = tuple(nx.lexicographical_topological_sort(dag, key=lambda name: index[name]))
+    order = _topological_order(dag, index)
 
     constants = set(init_names)
     constant_nodes: set[str] = set()

@@ -13,6 +13,7 @@ Reading order: `SharedInitializer` -> `TieChoice` -> `shared_initializers` (clas
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -89,10 +90,18 @@ def _is_weight(tensor: onnx.TensorProto) -> bool:
     return bool(np.issubdtype(dtype, np.floating)) and int(np.prod(tensor.dims)) > 1
 
 
-def _constant_valued(tensor: onnx.TensorProto) -> bool:
-    """Every element equal (ones, zeros, a fill): what a fresh model's norms and biases hold."""
+def _constant_valued(tensor: onnx.TensorProto, base_dir: str | os.PathLike | None) -> bool:
+    """Every element equal (ones, zeros, a fill): what a fresh model's norms and biases hold. A weight
+    on disk is read from `base_dir` into a copy (the model keeps only its reference)."""
     try:
-        values = numpy_helper.to_array(tensor)
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            if base_dir is None:
+                return False
+            head = onnx.TensorProto()
+            head.CopyFrom(tensor)
+            values = numpy_helper.to_array(head, str(base_dir))
+        else:
+            values = numpy_helper.to_array(tensor)
     except Exception:  # external data not beside the model: unknown, so not a merge
         return False
     return values.size > 1 and bool(np.all(values == values.flat[0]))
@@ -108,8 +117,10 @@ def _readers(graph: onnx.GraphProto) -> dict[str, list[tuple[int, int]]]:
     return found
 
 
-def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice()) -> tuple[SharedInitializer, ...]:
-    """Every weight read by more than one node, classified and decided (overrides in `choice`)."""
+def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice(), base_dir: str | os.PathLike | None = None
+                        ) -> tuple[SharedInitializer, ...]:
+    """Every weight read by more than one node, classified and decided (overrides in `choice`); weights
+    on disk are read from `base_dir`, the model's folder."""
     graph = model.graph
     reads = _readers(graph)
     found = []
@@ -121,7 +132,7 @@ def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice())
         modules = {m for _, m in readers}
         if len(modules) == 1 and None not in modules:
             kind = "reuse"
-        elif _constant_valued(tensor):
+        elif _constant_valued(tensor, base_dir):
             kind = "merge"
         else:
             kind = "tie"

@@ -1,12 +1,15 @@
-"""Read and write ONNX models piece by piece so a large model is never held twice in memory.
+"""Read and write ONNX models piece by piece so a model's weights are never held in memory.
 
 `onnx.load` holds the file's bytes and the parsed model at once (2x the model); `read_model` parses
-the file record by record (the graph's nodes and initializers one at a time). `SerializeToString`
-builds a second full copy; `write_model` serializes a small skeleton once and streams the large
-initializers' raw bytes straight to the file (inline, or to an external-data file).
-`skeleton` copies a message without one repeated field, so weights can be left out of a copy.
+the file record by record and leaves every large weight on disk: an inline tensor's bytes become an
+external-data reference into the model file itself (location = the file, offset = where its bytes
+are), an external one keeps its reference. Loading, costing and planning need only dims and types;
+`write_model` streams the bytes from disk to a new file (inline, or to an external-data file) in
+chunks, and `load_weights` reads them where a whole model must run. `skeleton` copies a message
+without one repeated field, so weights can be left out of a copy.
 
-Reading order: `read_model` -> `_read_record`; `read_header` -> `_tensor_head`; `write_model` -> `_tensor_record`; `skeleton`.
+Reading order: `read_model` -> `_parse` -> `_reference` -> `_tensor_head`; `read_header`; `write_model` -> `_tensor_record`
+-> `_stream`; `load_weights`; `skeleton`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from onnx import helper
 
 from onnxpipe.safepath import ensure_external_data_inside
 
-__all__ = ["read_model", "read_header", "write_model", "inline_external_data", "skeleton", "is_streamable", "raw_nbytes"]
+__all__ = ["read_model", "read_header", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
+           "is_external", "raw_nbytes", "ON_DISK_BYTES"]
+
+#: Weights larger than this stay on disk when a model is read; smaller ones (shape tables, scalars) are read.
+ON_DISK_BYTES = 4096
 
 _GRAPH_FIELD = 7  # ModelProto.graph
 _INITIALIZER_FIELD = 5  # GraphProto.initializer
@@ -82,12 +89,16 @@ def _read_record(f: BinaryIO, key: int, key_bytes: bytes) -> bytes:
 
 
 def read_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Parse a model file one record at a time (peak: the model plus its largest tensor), then load
-    external data if the model has any."""
-    model = _parse(Path(path), weights=True)
+    """Parse a model file one record at a time, its weights over ON_DISK_BYTES left on disk as
+    external-data references (relative to the file's folder); small external tensors are read in."""
+    path = Path(path)
+    model = _parse(path, weights=True)
     ensure_external_data_inside(path, model, "keep a model's external-data files in its own directory and re-save it")
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        onnx.external_data_helper.load_external_data_for_model(model, str(Path(path).parent))
+    for tensor in model.graph.initializer:
+        if is_external(tensor) and raw_nbytes(tensor) <= ON_DISK_BYTES:
+            onnx.external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+            tensor.ClearField("data_location")
+            del tensor.external_data[:]
     return model
 
 
@@ -96,21 +107,6 @@ def read_header(path: str | os.PathLike) -> onnx.ModelProto:
     outputs and initializer heads (name, dtype, dims, external-data location) of a model of any size
     at the cost of its small parts."""
     return _parse(Path(path), weights=False)
-
-
-def _tensor_head(f: BinaryIO, end: int) -> bytes:
-    """The fields of the TensorProto record ending at `end`, its data fields skipped."""
-    kept = bytearray()
-    while f.tell() < end:
-        key, key_bytes = _read_varint(f)
-        if key >> 3 in _TENSOR_DATA_FIELDS and key & 7 == _LENGTH_DELIMITED:
-            skip, _ = _read_varint(f)
-            f.seek(skip, os.SEEK_CUR)
-        else:
-            kept += _read_record(f, key, key_bytes)
-    if f.tell() != end:
-        raise EOFError("truncated protobuf tensor")
-    return bytes(kept)
 
 
 def _parse(path: Path, weights: bool) -> onnx.ModelProto:
@@ -124,11 +120,17 @@ def _parse(path: Path, weights: bool) -> onnx.ModelProto:
                 end = f.tell() + length
                 while f.tell() < end:
                     inner, inner_bytes = _read_varint(f)
-                    if not weights and inner >> 3 == _INITIALIZER_FIELD and inner & 7 == _LENGTH_DELIMITED:
-                        skip, _ = _read_varint(f)
-                        if f.tell() + skip > end:
+                    if inner >> 3 == _INITIALIZER_FIELD and inner & 7 == _LENGTH_DELIMITED:
+                        record, _ = _read_varint(f)
+                        if f.tell() + record > end:
                             raise EOFError("truncated protobuf initializer")
-                        model.graph.initializer.add().MergeFromString(_tensor_head(f, f.tell() + skip))
+                        if not weights:
+                            model.graph.initializer.append(_tensor_head(f, f.tell() + record, _TENSOR_DATA_FIELDS)[0])
+                        elif record > ON_DISK_BYTES:
+                            model.graph.initializer.append(_reference(f, f.tell() + record, path.name))
+                        else:
+                            payload = f.read(record)
+                            model.graph.initializer.add().ParseFromString(payload)
                     else:
                         model.graph.MergeFromString(_read_record(f, inner, inner_bytes))
                 if f.tell() != end:
@@ -136,6 +138,51 @@ def _parse(path: Path, weights: bool) -> onnx.ModelProto:
             else:
                 model.MergeFromString(_read_record(f, key, key_bytes))
     return model
+
+
+def _tensor_head(f: BinaryIO, end: int, skipped: frozenset[int]) -> tuple[onnx.TensorProto, tuple[int, int] | None]:
+    """The TensorProto record ending at `end` without its `skipped` fields (never read), and where its
+    raw bytes are in the file (offset, length) when it has some."""
+    tensor = onnx.TensorProto()
+    place: tuple[int, int] | None = None
+    while f.tell() < end:
+        key, key_bytes = _read_varint(f)
+        if key >> 3 in skipped and key & 7 == _LENGTH_DELIMITED:
+            length, _ = _read_varint(f)
+            if key >> 3 == _RAW_DATA_FIELD:
+                place = (f.tell(), length)
+            f.seek(length, os.SEEK_CUR)
+        else:
+            tensor.MergeFromString(_read_record(f, key, key_bytes))
+    if f.tell() != end:
+        raise EOFError("truncated protobuf tensor")
+    return tensor, place
+
+
+def _reference(f: BinaryIO, end: int, location: str) -> onnx.TensorProto:
+    """One TensorProto record read up to `end`, its raw bytes skipped and referenced as external data
+    at their place in the file."""
+    tensor, place = _tensor_head(f, end, frozenset({_RAW_DATA_FIELD}))
+    if place is not None and not is_external(tensor):
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", str(place[0])), ("length", str(place[1]))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+    return tensor
+
+
+def is_external(tensor: onnx.TensorProto) -> bool:
+    """Whether the tensor's bytes are on disk (an external-data reference)."""
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def load_weights(model: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
+    """Read every on-disk weight of `model` into it (for the few uses that run the whole model)."""
+    for tensor in model.graph.initializer:
+        if is_external(tensor):
+            onnx.external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
+            tensor.ClearField("data_location")
+            del tensor.external_data[:]
 
 
 def is_streamable(tensor: onnx.TensorProto) -> bool:
@@ -154,39 +201,61 @@ def raw_nbytes(tensor: onnx.TensorProto) -> int:
 _FOUR_BIT = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n))
 
 
+def _bare(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """The tensor's header: everything but its data and where the data lives."""
+    head = skeleton(tensor, "raw_data")
+    if is_external(head):
+        del head.external_data[:]
+        head.ClearField("data_location")
+    return head
+
+
 def _tensor_record(tensor: onnx.TensorProto) -> tuple[bytes, int]:
-    """What precedes a raw-data tensor's bytes in a GraphProto: the initializer tag and length, the
-    tensor's other fields, and the raw-data tag and length. Returns (prefix, raw byte count)."""
-    head = skeleton(tensor, "raw_data").SerializeToString()
+    """What precedes a tensor's bytes in a GraphProto: the initializer tag and length, the tensor's
+    other fields, and the raw-data tag and length. Returns (prefix, raw byte count)."""
+    head = _bare(tensor).SerializeToString()
     raw_len = raw_nbytes(tensor)
     body = head + bytes([(_RAW_DATA_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(raw_len)
     prefix = bytes([(_INITIALIZER_FIELD << 3) | _LENGTH_DELIMITED]) + _varint(len(body) + raw_len) + body
     return prefix, raw_len
 
 
-def _raw(tensor: onnx.TensorProto, expected: int) -> bytes:
-    raw = tensor.raw_data
-    if len(raw) != expected:
-        raise ValueError(f"initializer '{tensor.name}' holds {len(raw)} bytes of raw data, its dims and type say {expected}")
-    return raw
+def _stream(tensor: onnx.TensorProto, expected: int, dst: BinaryIO, base_dir: Path | None) -> None:
+    """Write a tensor's bytes to `dst`: from memory, or copied from disk in chunks for an on-disk one."""
+    if not is_external(tensor):
+        raw = tensor.raw_data
+        if len(raw) != expected:
+            raise ValueError(f"initializer '{tensor.name}' holds {len(raw)} bytes of raw data, its dims and type say {expected}")
+        dst.write(raw)
+        return
+    place = {e.key: e.value for e in tensor.external_data}
+    if base_dir is None:
+        raise ValueError(f"initializer '{tensor.name}' is on disk ({place.get('location')}) but no folder to read it from was given")
+    length = int(place.get("length", expected))
+    if length != expected:
+        raise ValueError(f"initializer '{tensor.name}' has {length} bytes on disk, its dims and type say {expected}")
+    with open(base_dir / place["location"], "rb") as src:
+        src.seek(int(place.get("offset", 0)))
+        _copy(src, dst, length)
 
 
 def write_model(model: onnx.ModelProto, path: str | os.PathLike, large: Sequence[onnx.TensorProto] = (),
-                external_data: str | None = None) -> None:
-    """Write `model` with the tensors `large` (raw-data tensors, not copied) added to its graph's
-    initializers; with `external_data`, their bytes go to that file beside `path` instead."""
+                external_data: str | None = None, base_dir: str | os.PathLike | None = None) -> None:
+    """Write `model` with the tensors `large` (raw-data or on-disk tensors, not copied) added to its
+    graph's initializers; with `external_data`, their bytes go to that file beside `path` instead.
+    On-disk tensors are read from `base_dir` (the folder of the model they were read from)."""
     path = Path(path)
+    source = Path(base_dir) if base_dir is not None else None
     if external_data is not None and large:
         with open(path.parent / external_data, "wb") as data:
             for tensor in large:
-                head = skeleton(tensor, "raw_data")
-                raw = _raw(tensor, raw_nbytes(tensor))
+                head = _bare(tensor)
+                length = raw_nbytes(tensor)
                 head.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in (("location", external_data), ("offset", str(data.tell())), ("length", str(len(raw)))):
+                for key, value in (("location", external_data), ("offset", str(data.tell())), ("length", str(length))):
                     entry = head.external_data.add()
                     entry.key, entry.value = key, value
-                data.write(raw)
-                del raw
+                _stream(tensor, length, data, source)
                 model.graph.initializer.append(head)
         with open(path, "wb") as f:
             f.write(model.SerializeToString())
@@ -201,7 +270,7 @@ def write_model(model: onnx.ModelProto, path: str | os.PathLike, large: Sequence
         f.write(graph)
         for tensor, (prefix, n) in zip(large, records):
             f.write(prefix)
-            f.write(_raw(tensor, n))
+            _stream(tensor, n, f, source)
 
 
 def inline_external_data(path: str | os.PathLike) -> None:

@@ -30,7 +30,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path, swap_in
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
-from onnxpipe.protostream import inline_external_data, is_streamable, raw_nbytes, skeleton, write_model
+from onnxpipe.protostream import inline_external_data, is_external, is_streamable, raw_nbytes, skeleton, write_model
 
 if TYPE_CHECKING:  # the planner package pulls in the solver; splitting a given plan does not need it
     from onnxpipe.cost import Costs
@@ -248,7 +248,7 @@ def _value_info(graph: Graph, name: str, originals: dict[str, onnx.ValueInfoProt
     """A boundary tensor's ValueInfo with the graph's static shape (or the model's own type for
     non-tensor values such as sequences)."""
     info = graph.tensors.get(name)
-    if info is not None:
+    if info is not None and not (name in originals and originals[name].type.HasField("sequence_type")):
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype)), list(info.shape))
     if name in originals:
         return originals[name]
@@ -275,7 +275,7 @@ def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict
     large = []
     for name in layout.initializers:
         tensor = inits[name]
-        if is_streamable(tensor) and raw_nbytes(tensor) > _STREAM_BYTES:
+        if is_external(tensor) or (is_streamable(tensor) and raw_nbytes(tensor) > _STREAM_BYTES):
             large.append(tensor)
         else:
             stage_graph.initializer.add().CopyFrom(tensor)
@@ -311,7 +311,7 @@ def _write_stage(graph: Graph, plan: Plan, index: int, layout: _StageLayout, ori
     try:
         # Weights go to a side file first so the checker reads the file from disk without loading them;
         # models under 2 GB then get them copied back inline, chunk by chunk.
-        write_model(model, path, large, external_data=data_file)
+        write_model(model, path, large, external_data=data_file, base_dir=graph.weights_dir)
         del model, large
         onnx.checker.check_model(str(path), full_check=True)
         if not external:
@@ -447,7 +447,7 @@ def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
             assignment[name] = f"{assignment[name]},{i}" if name in assignment else str(i)
     model = skeleton(graph.model, "graph")
     model.graph.CopyFrom(skeleton(graph.model.graph, "initializer"))
-    large = [t for t in graph.model.graph.initializer if is_streamable(t) and raw_nbytes(t) > _STREAM_BYTES]
+    large = [t for t in graph.model.graph.initializer if is_external(t) or (is_streamable(t) and raw_nbytes(t) > _STREAM_BYTES)]
     streamed = {t.name for t in large}
     model.graph.initializer.extend(t for t in graph.model.graph.initializer if t.name not in streamed)
     for node in model.graph.node:
@@ -458,6 +458,6 @@ def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
     external = sum(raw_nbytes(t) for t in large) > _EXTERNAL_DATA_BYTES
     try:
         with atomic_path(target) as tmp:
-            write_model(model, tmp, large, external_data=f"{target.name}.data" if external else None)
+            write_model(model, tmp, large, external_data=f"{target.name}.data" if external else None, base_dir=graph.weights_dir)
     except OSError as exc:
         raise OnnxpipeError(f"{target}: cannot write the annotated model ({exc.strerror}); choose another --annotated path") from exc

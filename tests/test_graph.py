@@ -82,14 +82,18 @@ def test_weights_produced_by_constant_nodes_become_parameters() -> None:
 
 
 def test_constant_chains_are_told_apart_from_activations() -> None:
+    """Integer arithmetic on constants is folded away; a chain computing a weight-like float tensor
+    stays a constant chain (not a parameter, not a compute node)."""
     model = _mlp()
-    model.graph.node.insert(0, helper.make_node("Mul", ["starts", "starts"], ["starts2"], name="fold"))
-    model.graph.node.insert(1, helper.make_node("ConstantOfShape", ["ends"], ["zeros"], name="zeros_of"))
+    model.graph.node.insert(0, helper.make_node("Mul", ["ends", "axes"], ["ends2"], name="fold"))
+    model.graph.node.insert(1, helper.make_node("ConstantOfShape", ["ends2"], ["zeros"], name="zeros_of"))
+    model.graph.node.append(helper.make_node("Add", ["zeros", "y"], ["y_plus"], name="use_zeros"))
     g = load(model)
-    assert {"fold", "zeros_of"} <= g.constant_nodes
-    assert {"starts2", "zeros", "w1"} <= g.constants
+    assert "fold" not in g.order and "ends2" in g.initializers
+    assert "zeros_of" in g.constant_nodes and g.tensors["zeros"].shape == (3,)
+    assert {"zeros", "w1"} <= g.constants and "zeros" not in g.parameters
     assert "h" not in g.constants
-    assert "fold" not in g.compute_nodes
+    assert "zeros_of" not in g.compute_nodes
 
 
 def test_unnamed_and_duplicate_node_names_are_made_unique_and_order_is_deterministic() -> None:

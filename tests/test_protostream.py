@@ -11,17 +11,41 @@ import pytest
 from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
-from onnxpipe.protostream import inline_external_data, raw_nbytes, read_model, skeleton, write_model
+from onnxpipe.protostream import ON_DISK_BYTES, inline_external_data, is_external, load_weights, raw_nbytes, read_model, skeleton, write_model
 
 
 def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
-def test_read_model_equals_onnx_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("external", [False, True])
+def test_read_model_leaves_weights_on_disk_and_equals_onnx_load_once_read(tmp_path: Path, external: bool) -> None:
     model = models.build("gpt2-tiny", train=True)
-    onnx.save(model, str(tmp_path / "m.onnx"))
-    assert read_model(tmp_path / "m.onnx") == onnx.load(str(tmp_path / "m.onnx"))
+    models.save(model, tmp_path / "m.onnx", external=external)
+    read = read_model(tmp_path / "m.onnx")
+    on_disk = [t for t in read.graph.initializer if is_external(t)]
+    assert {t.name for t in on_disk} == {t.name for t in model.graph.initializer if raw_nbytes(t) > ON_DISK_BYTES}
+    assert all(not t.raw_data for t in on_disk)
+    assert {t.external_data[0].value for t in on_disk} == {"m.onnx.data" if external else "m.onnx"}
+    load_weights(read, tmp_path)
+    want = onnx.load(str(tmp_path / "m.onnx"))
+    assert skeleton(read.graph, "initializer") == skeleton(want.graph, "initializer")
+    assert [t.name for t in read.graph.initializer] == [t.name for t in want.graph.initializer]
+    assert all(np.array_equal(a, b) for a, b in zip(initializers(read).values(), initializers(want).values()))
+
+
+def test_on_disk_weights_stream_into_a_new_file(tmp_path: Path) -> None:
+    model = models.build("resnet-tiny")
+    onnx.save(model, str(tmp_path / "src.onnx"))
+    read = read_model(tmp_path / "src.onnx")
+    large = [t for t in read.graph.initializer if is_external(t)]
+    rest = skeleton(read, "graph")
+    rest.graph.CopyFrom(skeleton(read.graph, "initializer"))
+    rest.graph.initializer.extend(t for t in read.graph.initializer if not is_external(t))
+    (tmp_path / "out").mkdir()
+    write_model(rest, tmp_path / "out" / "copy.onnx", large, base_dir=tmp_path)
+    want, got = initializers(model), initializers(onnx.load(str(tmp_path / "out" / "copy.onnx")))
+    assert large and want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
 
 
 def test_a_truncated_file_is_a_one_line_error(tmp_path: Path) -> None:

@@ -85,10 +85,11 @@ def plan_model(
     dims: Mapping[str, int] | None = None,
     profile: bool | None = None,
     ties: TieChoice | None = None,
+    shapes_by_running: bool = False,
     **options: object,
 ) -> tuple[Graph, Costs, Target, Plan]:
     """Load (untying exporter-merged weights, `ties` overriding), take the model's stored costs (an annotated ONNX) or annotate it, and plan."""
-    graph = load(model, dims, ties)
+    graph = load(model, dims, ties, shapes_by_running=shapes_by_running)
     target = load_target(target) if isinstance(target, str) else target
     costs = read_annotated(graph)
     if costs is None:

@@ -1,0 +1,110 @@
+"""Clean an exported graph before planning, without changing what it computes at the bound shapes:
+shape arithmetic folded to the constants it computes, and Identity nodes on activations removed (their
+readers read the original tensor), so the planner sees the compute nodes a human would count.
+
+Exporters spell `x.view(b, s, h, d)` as Shape -> Gather -> Unsqueeze -> Concat -> Reshape: read from an
+activation, those nodes tie a far-away Reshape to it and look like work. Once the dims are bound their
+values are known (`shapes.infer` folded them); here the nodes are replaced by those values. Weights are
+never folded (a Transpose of a weight stays a constant chain, so training still updates the weight),
+nor are values that would look like weights (float tensors of more than one element stay computed).
+
+Reading order: `clean` -> `_fold` -> `_drop_identities`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxpipe.nodes import has_subgraph, is_weight, subgraph_captures
+from onnxpipe.shapes import STANDARD_DOMAINS
+
+__all__ = ["Cleaned", "clean"]
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    """A cleaned model and what was taken out of it."""
+
+    #: The model, rewritten in place.
+    model: onnx.ModelProto
+    #: Nodes replaced by the constants they computed.
+    folded: tuple[str, ...]
+    #: Identity nodes removed, by name -> the tensor their readers now read.
+    identities: Mapping[str, str]
+
+
+def clean(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> Cleaned:
+    """Replace the folded nodes that read no weight and compute no weight-like value by their values,
+    then remove Identity nodes between activations."""
+    taken = _fold(model, folded, folded_nodes)
+    identities = _drop_identities(model)
+    return Cleaned(model, taken, identities)
+
+
+def _fold(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> tuple[str, ...]:
+    graph = model.graph
+    weights = {t.name for t in graph.initializer if is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims))}
+    taken: list[str] = []
+    tainted = set(weights)  # weights, and values computed from them: they stay computed in the graph
+    for node in graph.node:
+        outs = [o for o in node.output if o]
+        if node.name not in folded_nodes or any(o not in folded for o in outs):
+            continue
+        if any(i in tainted for i in node.input) or any(is_weight(folded[o].dtype, folded[o].shape) for o in outs):
+            tainted.update(outs)
+            continue
+        taken.append(node.name)
+    if not taken:
+        return ()
+    gone = set(taken)
+    produced = {o for n in graph.node if n.name in gone for o in n.output if o}
+    kept = [n for n in graph.node if n.name not in gone]
+    read = {i for n in kept for i in [*n.input, *_captures(n)] if i} | {o.name for o in graph.output}
+    del graph.node[:]
+    graph.node.extend(kept)
+    graph.initializer.extend(numpy_helper.from_array(folded[name], name) for name in sorted(produced & read))
+    drop = {vi.name for vi in graph.value_info if vi.name in produced}
+    if drop:
+        kept_infos = [vi for vi in graph.value_info if vi.name not in drop]
+        del graph.value_info[:]
+        graph.value_info.extend(kept_infos)
+    return tuple(taken)
+
+
+def _drop_identities(model: onnx.ModelProto) -> dict[str, str]:
+    """Identity nodes reading a node's output: readers are pointed at the source instead. Kept when the
+    copy is a graph output (the model's interface) or read inside a subgraph (renaming there is not worth it)."""
+    graph = model.graph
+    produced = {o for n in graph.node for o in n.output if o}
+    outputs = {o.name for o in graph.output}
+    captured = {c for n in graph.node for c in _captures(n)}
+    rename: dict[str, str] = {}
+    removed: dict[str, str] = {}
+    for node in graph.node:
+        if (node.op_type == "Identity" and node.domain in STANDARD_DOMAINS and len(node.input) == 1 and node.input[0] in produced
+                and node.output[0] not in outputs and node.output[0] not in captured):
+            source = rename.get(node.input[0], node.input[0])
+            rename[node.output[0]] = source
+            removed[node.name] = source
+    if not removed:
+        return removed
+    kept = [n for n in graph.node if n.name not in removed]
+    for node in kept:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    del graph.node[:]
+    graph.node.extend(kept)
+    infos = [vi for vi in graph.value_info if vi.name not in rename]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+    return removed
+
+
+def _captures(node: onnx.NodeProto) -> tuple[str, ...]:
+    return subgraph_captures(node) if has_subgraph(node) else ()

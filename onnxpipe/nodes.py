@@ -1,0 +1,43 @@
+"""Facts about single nodes and tensors that the graph IR, shape inference and clean-up all need:
+what a node reads from its enclosing scope, and which tensors are weights."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+
+__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "RANDOM_OPS"]
+
+#: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+
+
+def has_subgraph(node: onnx.NodeProto) -> bool:
+    """Whether the node carries a body (If, Loop, Scan)."""
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def subgraph_captures(node: onnx.NodeProto) -> tuple[str, ...]:
+    """Names a node's subgraphs (If/Loop/Scan bodies, recursively) read from the enclosing scope."""
+    captured: list[str] = []
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in graphs:
+            defined = {i.name for i in g.input} | {t.name for t in g.initializer}
+            for inner in g.node:
+                for name in list(inner.input) + list(subgraph_captures(inner)):
+                    if name and name not in defined and name not in captured:
+                        captured.append(name)
+                defined.update(o for o in inner.output if o)
+            for out in g.output:
+                if out.name not in defined and out.name not in captured:
+                    captured.append(out.name)
+    return tuple(captured)
+
+
+def is_weight(dtype: str | np.dtype, shape: tuple[int, ...]) -> bool:
+    """A floating-point initializer of more than one element is a trainable weight; scalars and
+    one-element tensors (a Pow exponent, a 1/sqrt(d) scale, a mask fill value) are constants."""
+    return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1

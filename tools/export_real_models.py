@@ -1,0 +1,160 @@
+"""Export the real-size models the planner benchmark plans (tools/bench_plan.py --exports), into build/exports/.
+
+What a user has: torchvision ResNet-50, MobileNetV2 and ViT-B/16, transformers BERT-base and GPT-2 small,
+random weights, exported by `torch.onnx.export` at its default settings (the dynamo exporter, optimised,
+weights as external data) with a symbolic batch (and sequence) dim; GPT-2 once more with
+`optimize=False`. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the
+zoo with its weights as external data in a sparse file: zeros never written nor held in memory.
+
+torch is not a dependency of onnxpipe: run this with an environment that has torch, torchvision,
+transformers and onnxscript (e.g. `/work/torchenv/bin/python tools/export_real_models.py`); the zoo
+model alone needs only onnxpipe (`--only gpt2-xl`). The files are large and not committed.
+
+Usage: PYTHON tools/export_real_models.py [--only a,b,...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import onnx
+from onnx import TensorProto
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "exports"
+
+#: Example-input sizes of the exports (their batch and sequence dims stay symbolic: --dim binds them).
+BATCH, SEQ, IMAGE = 2, 16, 224
+
+
+def _torchvision() -> object:
+    """torchvision's models. A torchvision wheel whose C++ ops do not load (built for another torch)
+    fails on import registering fake kernels for them; the models use none, so registration is skipped."""
+    import torch
+
+    original = torch.library.register_fake
+    torch.library.register_fake = lambda *args, **kwargs: (lambda fn: fn)  # type: ignore[assignment]
+    try:
+        import torchvision.models as models
+    finally:
+        torch.library.register_fake = original  # type: ignore[assignment]
+    return models
+
+
+def _export(module: object, args: tuple, path: Path, names: Sequence[str], dynamic: dict, optimize: bool = True) -> None:
+    import torch
+
+    module.eval()  # type: ignore[attr-defined]
+    program = torch.onnx.export(module, args, dynamo=True, optimize=optimize, input_names=list(names), dynamic_shapes=dynamic)
+    program.save(str(path), external_data=True)
+
+
+def _vision(builder_name: str) -> Callable[[Path], None]:
+    def export(path: Path) -> None:
+        import torch
+
+        model = getattr(_torchvision(), builder_name)(weights=None)
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        _export(model, (torch.randn(BATCH, 3, IMAGE, IMAGE),), path, ["images"], {"x": {0: batch}})
+
+    return export
+
+
+def _text(kind: str, optimize: bool = True) -> Callable[[Path], None]:
+    def export(path: Path) -> None:
+        import torch
+
+        _torchvision()  # transformers imports it when present
+        import transformers
+
+        if kind == "bert":
+            model = transformers.BertModel(transformers.BertConfig())
+        else:
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(use_cache=False))
+        model.config.use_cache = False
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        seq = torch.export.Dim("seq", min=2, max=512 if kind == "bert" else 1024)
+        ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+        if kind == "bert":
+            mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+            _export(model, (ids, mask), path, ["input_ids", "attention_mask"],
+                    {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, optimize)
+        else:
+            _export(model, (ids,), path, ["input_ids"], {"input_ids": {0: batch, 1: seq}}, optimize)
+
+    return export
+
+
+@contextmanager
+def _sparse_weights(data: Path) -> Iterator[None]:
+    """While the zoo builds a model, every weight it asks for becomes an external-data header into
+    `data`, at its own offset; the file is extended (sparsely: zeros, no bytes written) at the end."""
+    from onnxpipe.models.layers import GraphBuilder
+
+    offset = [0]
+
+    def external(builder: GraphBuilder, base: str, shape: Sequence[int], *_: object, **__: object) -> str:
+        name = builder.unique(base)
+        header = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(shape), data_location=TensorProto.EXTERNAL)
+        length = 4
+        for d in shape:
+            length *= int(d)
+        for key, value in (("location", data.name), ("offset", str(offset[0])), ("length", str(length))):
+            entry = header.external_data.add()
+            entry.key, entry.value = key, value
+        offset[0] += length
+        builder.initializers.append(header)
+        return name
+
+    with mock.patch.object(GraphBuilder, "weight", external), mock.patch.object(GraphBuilder, "fill", external):
+        yield
+    with open(data, "wb") as f:
+        f.truncate(offset[0])
+
+
+def _gpt2_xl(path: Path) -> None:
+    from onnxpipe.models import build
+
+    data = path.with_name(path.name + ".data")
+    with _sparse_weights(data):
+        model = build("gpt2", layers=48, d_model=1600, heads=25, seq=1024, vocab=50257, batch=1)
+    onnx.save(model, str(path))
+
+
+EXPORTS: dict[str, Callable[[Path], None]] = {
+    "resnet50": _vision("resnet50"),
+    "mobilenet_v2": _vision("mobilenet_v2"),
+    "vit_b_16": _vision("vit_b_16"),
+    "bert-base": _text("bert"),
+    "gpt2": _text("gpt2"),
+    "gpt2-unoptimized": _text("gpt2", optimize=False),
+    "gpt2-xl": _gpt2_xl,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(EXPORTS), help="comma-separated names: " + ", ".join(EXPORTS))
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in [n for n in args.only.split(",") if n]:
+        if name not in EXPORTS:
+            sys.exit(f"unknown export {name!r}; choose from {', '.join(EXPORTS)}")
+        path = args.out / f"{name}.onnx"
+        for old in (path, path.with_name(path.name + ".data")):
+            old.unlink(missing_ok=True)
+        started = time.perf_counter()
+        EXPORTS[name](path)
+        size = sum(p.stat().st_size for p in args.out.glob(f"{name}.onnx*"))
+        print(f"{name}: {path} ({size / 2**20:.0f} MiB with data) in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
