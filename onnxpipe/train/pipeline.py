@@ -26,7 +26,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
 from onnxpipe.initializers import SharedInitializer, TieChoice, untie
 from onnxpipe.manifest import Manifest
-from onnxpipe.protostream import read_model
+from onnxpipe.protostream import load_weights, read_model
 from onnxpipe.simulate import Event
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from onnxpipe.train.data import split_microbatches
@@ -280,7 +280,9 @@ def _read_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not Path(path).is_file():
         raise OnnxpipeError(f"{path}: no such model file or stage directory; pass an .onnx file or a directory written by `onnxpipe split`")
     try:
-        return read_model(path)
+        model = read_model(path)
+        load_weights(model, Path(path).parent)  # training reads every weight
+        return model
     except OnnxpipeError:
         raise
     except Exception as exc:
