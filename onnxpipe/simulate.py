@@ -506,7 +506,9 @@ class _Run:
     def optimizer_step(self, w: int, s: int) -> bool:
         j = self.places[w][1]
         c = self.stages[s]
-        self.at_step.add((w, s))
+        # A row's STEPs close it: reaching one, the worker is at the step of every stage it holds (ZB-V's
+        # device 0 holds the first and the last stage, whose tied embeddings would wait on each other).
+        self.at_step.update((w, t) for t, r in enumerate(self.row_of) if r == self.places[w][0])
         if any(h not in self.at_step for h in self.holders[s]):
             return False
         allreduce = c.allreduce + c.tied_allreduce

@@ -234,3 +234,13 @@ def test_a_w_before_its_b_or_a_missing_w_is_refused() -> None:
 def test_bad_table_requests_are_clear_errors(name: str, stages: int, m: int, message: str) -> None:
     with pytest.raises(OnnxpipeError, match=message):
         sched.table(name, stages, m)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("zb-v", "schedule 'zb-v' puts 2 stages on each device, which the planner does not do; plan with gpipe, 1f1b, zb-h1, then pass --schedule zb-v"),
+    ("warp", "unknown schedule 'warp'; choose one of: gpipe, 1f1b, zb-h1, auto"),
+])
+def test_the_planner_names_what_it_cannot_plan(name: str, message: str) -> None:
+    sched.ensure_plannable("auto", ("auto",))
+    with pytest.raises(OnnxpipeError, match=message):
+        sched.ensure_plannable(name, ("auto",))

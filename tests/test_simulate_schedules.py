@@ -92,3 +92,15 @@ def test_planner_prices_w_and_zb_h1_memory() -> None:
     sim = simulate(zb, target)
     for s, peak in zip(zb.stages, sim.peak_memory_bytes):
         assert peak == pytest.approx(s.memory.total)
+
+
+def test_tied_stages_on_one_device_step_together() -> None:
+    # ZB-V puts the first and the last stage on device 0: with tied weights (an embedding and the head),
+    # their STEPs exchange gradients on one worker.
+    plan = _virtual(2, 4, "zb-v", weight=0.5)
+    stages = list(plan.stages)
+    stages[0], stages[3] = replace(stages[0], tied=(3,), tied_bytes=1e6), replace(stages[3], tied=(0,), tied_bytes=1e6)
+    sim = simulate(replace(plan, stages=tuple(stages)), make_target(2))
+    steps = [e for e in sim.events if e.kind == "STEP"]
+    assert sorted(e.stage for e in steps) == [0, 1, 2, 3]
+    assert sim.iteration_seconds == pytest.approx(max(e.end for e in steps))

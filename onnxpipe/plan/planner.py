@@ -18,7 +18,7 @@ from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch
 from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.plan.result import Plan
 from onnxpipe.plan.solve import solve
-from onnxpipe.schedule import SCHEDULES
+from onnxpipe.schedule import SCHEDULES, ensure_plannable
 from onnxpipe.target import Target, load_target
 
 __all__ = ["plan", "plan_model", "compare", "faster_stage_count"]
@@ -144,8 +144,7 @@ def _ensure_options(stages: int | None, devices: int, microbatches: int | str | 
         raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
     if isinstance(microbatches, int) and microbatches < 1:
         raise OnnxpipeError(f"--microbatches {microbatches}: need at least 1 micro-batch")
-    if schedule != "auto" and schedule not in SCHEDULES:
-        raise OnnxpipeError(f"unknown schedule '{schedule}'; choose one of: {', '.join(SCHEDULES)}, auto")
+    ensure_plannable(schedule, ("auto",))
     if recompute not in _RECOMPUTE:
         raise OnnxpipeError(f"--recompute {recompute!r}: choose one of {', '.join(_RECOMPUTE)}")
     if time_limit <= 0:

@@ -210,8 +210,7 @@ def build_problem(
 
 
 def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, optimizer: str) -> None:
-    if schedule not in schedules.SCHEDULES:
-        raise OnnxpipeError(f"unknown schedule '{schedule}'; choose one of: {', '.join(schedules.SCHEDULES)}")
+    schedules.ensure_plannable(schedule)
     if optimizer not in OPTIMIZER_STATES:
         raise OnnxpipeError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZER_STATES)}")
     if microbatches < 1 or batch < 1:
