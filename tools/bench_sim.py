@@ -29,6 +29,7 @@ from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan import plan_model
 from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
+from onnxpipe.schedule import SCHEDULES
 from onnxpipe.split import split
 from benchdoc import write_section
 
@@ -48,7 +49,6 @@ KNOBS: dict[str, dict[str, int | bool]] = {
 }
 #: Stages and micro-batches per target: one stage per worker, 2 x stages micro-batches.
 SHAPES = {"cpu2": (2, 4), "cpu4": (4, 8)}
-SCHEDULES = ("gpipe", "1f1b")
 GOAL = 0.15
 NOTE = (
     "The simulator adds the targets' measured fixed costs (tools/measure_cpu.py): `action_overhead` per forward and "
@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--targets", default=",".join(SHAPES))
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--repeat", type=int, default=2, help="training runs per case (each its own row: the spread is the noise)")
     parser.add_argument("--knobs", action="append", default=[], help="zoo knobs for one model, model:k=v,k=v (repeatable); overrides KNOBS")
     args = parser.parse_args()
@@ -195,7 +196,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-sim-") as tmp:
         for model_name in args.models.split(","):
             for target in args.targets.split(","):
-                for schedule in SCHEDULES:
+                for schedule in args.schedules.split(","):
                     for _ in range(args.repeat):
                         try:
                             rows.append(measure(model_name, knobs[model_name], target, schedule, args.steps, Path(tmp)))
@@ -207,12 +208,12 @@ def main() -> None:
     lines = [
         "## Simulator fidelity (predicted vs measured iteration time)",
         "",
-        f"Regenerate: `.venv/bin/python tools/{NAME}.py --steps {args.steps} --repeat {args.repeat} --models {args.models} --targets {args.targets}` "
+        f"Regenerate: `.venv/bin/python tools/{NAME}.py --steps {args.steps} --repeat {args.repeat} --models {args.models} --targets {args.targets} --schedules {args.schedules}` "
         f"({os.cpu_count()} vCPUs). Each case is planned (profiled) and trained {args.repeat} times (one row per run: their spread is the measurement noise, profiling included). "
         "Each case: plan with profiled node costs (the cpu targets profile on this machine) and split (the stage directory "
         f"keeps the plan JSON); `onnxpipe train DIR --json` ({args.steps} steps, worker processes, shared-memory transport, SGD; "
         "median step after the first) against `onnxpipe simulate` of the saved plan with the same schedule and micro-batches. "
-        "Error = simulated / measured - 1; goal |error| <= 15%. Bubble = 1 - sum(busy) / (k x iteration), busy = F + B + "
+        "Error = simulated / measured - 1; goal |error| <= 15%. Bubble = 1 - sum(busy) / (k x iteration), busy = F + B + W + "
         "optimizer step compute, in both. Load = the 1-minute load average around the training run; background = "
         "runnable processes of other work while it ran (state R in /proc outside the training's process tree, sampled every 50 ms). Simulated "
         "quiet: the plan on the target alone; simulated: the same with that background sharing the cores "
@@ -234,7 +235,7 @@ def main() -> None:
     lines += ["", f"Within 15%: **{within} of {len(rows)}** cases with the measured background, {within_quiet} of {len(rows)} "
               f"simulated as on a quiet machine. {NOTE}"]
     for target in args.targets.split(","):
-        for schedule in SCHEDULES:
+        for schedule in args.schedules.split(","):
             mine = [r for r in rows if f" {target} " in r["case"] and r["case"].endswith(f" {schedule}")]
             if mine:
                 lines.append(f"- {target} {schedule}: {sum(abs(r['error']) <= GOAL for r in mine)} of {len(mine)} within 15%, median error "

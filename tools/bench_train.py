@@ -1,5 +1,5 @@
 """Pipelined training on the real cpu targets: throughput against the unpartitioned model in one process
-on the same cores, measured bubble against (k-1)/(m+k-1), transfer share of a step, and 1F1B vs GPipe
+on the same cores, measured bubble against (k-1)/(m+k-1) (1F1B, and ZB-H1 beside it), transfer share of a step, and 1F1B vs GPipe
 peak activation memory per stage. Prints the table and rewrites its section of docs/benchmarks.md.
 
 Run: .venv/bin/python tools/bench_train.py [--steps N]
@@ -60,13 +60,14 @@ def main() -> None:
     rows = []
     for model_name, target, k, m in CASES:
         base = min(single_process(model_name, m, args.steps, threads=t) for t in sorted({1, min(k, os.cpu_count() or 1)}))
-        runs = {s: pipelined(model_name, target, k, m, s, args.steps) for s in ("gpipe", "1f1b")}
+        runs = {s: pipelined(model_name, target, k, m, s, args.steps) for s in ("gpipe", "1f1b", "zb-h1")}
         one = runs["1f1b"]
         kk = one["stages_count"]
         rows.append({
             "case": f"{model_name} {target} k={kk} m={m}",
             "single_ms": base * 1e3, "pipe_ms": one["step_seconds"] * 1e3, "speedup": base / one["step_seconds"],
-            "bubble": one["bubble_fraction"], "ideal": (kk - 1) / (m + kk - 1), "transfer": one["transfer_fraction"], "transfer_cpu": one["transfer_cpu_fraction"],
+            "bubble": one["bubble_fraction"], "ideal": (kk - 1) / (m + kk - 1),
+            "zb_ms": runs["zb-h1"]["step_seconds"] * 1e3, "zb_bubble": runs["zb-h1"]["bubble_fraction"], "transfer": one["transfer_fraction"], "transfer_cpu": one["transfer_cpu_fraction"],
             "act_gpipe": [s["peak_activation_bytes"] for s in runs["gpipe"]["stages"]],
             "act_1f1b": [s["peak_activation_bytes"] for s in one["stages"]],
         })
@@ -77,16 +78,16 @@ def main() -> None:
         f"Regenerate: `.venv/bin/python tools/{NAME}.py` ({args.steps} steps per run, medians after the first step; "
         f"{os.cpu_count()} cores). Baseline: the unpartitioned model's gradient graph in one process, the faster of 1 intra-op thread and one per core. Load average at the start: {os.getloadavg()[0]:.1f}.",
         "",
-        "| case | 1 process ms/step | pipeline ms/step (1F1B) | speedup | bubble measured | (k-1)/(m+k-1) | transfer share (wall) | transfer share (CPU) | peak activations GPipe | peak activations 1F1B |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | 1 process ms/step | pipeline ms/step (1F1B) | speedup | bubble measured | (k-1)/(m+k-1) | ZB-H1 ms/step | ZB-H1 bubble measured | transfer share (wall) | transfer share (CPU) | peak activations GPipe | peak activations 1F1B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['single_ms']:.2f} | {r['pipe_ms']:.2f} | {r['speedup']:.2f}x | {r['bubble']:.1%} | {r['ideal']:.1%} | {r['transfer']:.1%} | {r['transfer_cpu']:.1%} | "
+            f"| {r['case']} | {r['single_ms']:.2f} | {r['pipe_ms']:.2f} | {r['speedup']:.2f}x | {r['bubble']:.1%} | {r['ideal']:.1%} | {r['zb_ms']:.2f} | {r['zb_bubble']:.1%} | {r['transfer']:.1%} | {r['transfer_cpu']:.1%} | "
             f"{' / '.join(format_bytes(x) for x in r['act_gpipe'])} | {' / '.join(format_bytes(x) for x in r['act_1f1b'])} |"
         )
     lines += ["", "Bubble measured = 1 - sum of stage busy time / (k x step time): it also counts transfer, driver and scheduling overheads, "
-              "so it sits above the ideal (k-1)/(m+k-1). Transfer share = time in the transport (copy into a reused shared-memory slot, "
+              "so it sits above the ideal (k-1)/(m+k-1); ZB-H1's ideal at equal F, B and W times is (k-1)/(3m+k-1). Transfer share = time in the transport (copy into a reused shared-memory slot, "
               "header on the receiver's pipe, zero-copy read) / (k x step time), as wall-clock time (which on a loaded machine also counts "
               "preemption inside those calls) and as the calling thread's CPU time (the transport's own cost)."]
     section = "\n".join(lines)
