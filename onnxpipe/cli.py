@@ -89,6 +89,16 @@ _TIE_HELP = "Train this weight read by several nodes as one tensor (default for 
 _UNTIE_HELP = "Give each module reading this weight its own copy (default for constant-valued exporter merges), repeatable."
 
 
+def _warn_missing_gradients(graph: Any) -> None:
+    """Plans are for training: say which ops onnxruntime-training cannot differentiate (the plan still prices inference use)."""
+    from onnxpipe.gradients import describe_missing, missing_gradients
+
+    missing = missing_gradients(graph.model)
+    if missing:
+        err_console.print(f"[yellow]warning:[/] onnxruntime-training 1.19.2 has no gradient for {escape(describe_missing(missing))}; "
+                          "`onnxpipe train` will refuse this model", highlight=False)
+
+
 def print_shared(shared: Any) -> None:
     """What loading decided about weights read by several nodes (nothing when there are none)."""
     from onnxpipe.initializers import describe
@@ -437,6 +447,7 @@ def plan_command(
             ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
         )
     print_shared(graph.shared)
+    _warn_missing_gradients(graph)
     ms = 1e3
     table = Table(title=f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plan.microbatches} micro-batches, {plan.schedule}, {plan.optimizer}")
@@ -647,7 +658,7 @@ def inspect_command(
     from rich.table import Table
 
     from onnxpipe.graph import load
-    from onnxpipe.train.graphs import UNTRAINABLE_OPS
+    from onnxpipe.gradients import describe_missing, missing_gradients
     from onnxpipe.units import format_bytes
 
     graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
@@ -669,10 +680,9 @@ def inspect_command(
         console.print(shared)
     ops = Counter(graph.node(n).op_type for n in graph.compute_nodes)
     console.print("op types: " + ", ".join(f"{op} x{count}" for op, count in ops.most_common()))
-    untrainable = [n for n in graph.compute_nodes if graph.node(n).op_type in UNTRAINABLE_OPS]
-    if untrainable:
-        console.print(f"[yellow]no gradient in onnxruntime-training for {len(untrainable)} node(s):[/] "
-                      + ", ".join(f"{n} ({graph.node(n).op_type})" for n in untrainable[:10]) + (" ..." if len(untrainable) > 10 else ""))
+    missing = missing_gradients(graph.model)
+    if missing:
+        console.print(f"[yellow]no gradient in onnxruntime-training 1.19.2 for:[/] {escape(describe_missing(missing))}", highlight=False)
     if nodes:
         table = Table("#", "node", "op", "outputs", "shape", title="compute nodes in topological order")
         for i, name in enumerate(graph.compute_nodes):

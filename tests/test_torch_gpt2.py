@@ -42,3 +42,12 @@ def test_pipelined_training_reproduces_pytorch_sgd(stages: int, schedule: str, t
     assert len(norms) == 10 and set(norms) <= set(REFERENCE["parameters"])
     for name in norms:
         np.testing.assert_allclose(trained[name], BATCHES[f"final/{name}"], atol=1e-6, err_msg=name)
+
+
+def test_unoptimized_export_trains_after_its_split_to_sequence_is_rewritten() -> None:
+    """`optimize=False` writes `tensor.split` as SplitToSequence + SequenceAt, which onnxruntime-training cannot
+    differentiate; the pre-training rewrite to Split makes it train like PyTorch (its weights are not merged)."""
+    model = onnx.load(str(DATA / "torch_gpt2_unoptimized.onnx"))
+    assert {"SplitToSequence", "SequenceAt"} <= {n.op_type for n in model.graph.node}
+    losses = _train("torch_gpt2_unoptimized.onnx", 2, "1f1b")
+    np.testing.assert_allclose(losses, REFERENCE["losses"], rtol=1e-5)

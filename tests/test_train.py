@@ -199,7 +199,7 @@ def test_untrainable_ops_are_named_before_training() -> None:
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 3])],
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w, r])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(OnnxpipeError, match=r"no gradient for .*encoder/gru \(GRU\)") as info:
+    with pytest.raises(OnnxpipeError, match=r"no gradient for GRU \(1 node: encoder/gru\)") as info:
         build_stage_graphs(model, params=["w", "r"], grad_inputs=(), grad_outputs=(), loss="loss", recompute=False)
     assert "re-export" in str(info.value)
 
@@ -214,7 +214,7 @@ def test_einsum_node_is_named() -> None:
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(OnnxpipeError, match=r"mix \(Einsum\)"):
+    with pytest.raises(OnnxpipeError, match=r"Einsum \(1 node: mix\)"):
         build_stage_graphs(model, params=["w"], grad_inputs=(), grad_outputs=(), loss="loss", recompute=False)
 
 

@@ -2,7 +2,7 @@
 
 Reading order: `StageGraphs` -> `build_stage_graphs` (public entry) -> preparation passes
 (`ortutil.complete_optional_outputs`, `_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
--> `ensure_trainable` -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
+-> `rewrite_for_training` + `ensure_gradients` (onnxpipe.rewrites, onnxpipe.gradients) -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
 
 The trick: the stage's loss is its real loss (when it holds the model's loss) plus, for every
 output a later stage reads, the surrogate sum(output * output_grad), where output_grad is a new
@@ -22,24 +22,20 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.gradients import ensure_gradients
 from onnxpipe.graph import is_weight
 from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, cpu_session, gradient_model, ort_reason, pretraining_rewrite, state_inputs
+from onnxpipe.rewrites import rewrite_for_training
 
 __all__ = [
     "StageGraphs",
     "build_stage_graphs",
-    "ensure_trainable",
     "is_trainable_initializer",
     "grad_input_name",
     "grad_name",
-    "UNTRAINABLE_OPS",
     "TOTAL_LOSS",
 ]
 
-#: Ops without a gradient builder in onnxruntime-training 1.19.2, before or after its rewrites.
-UNTRAINABLE_OPS = frozenset(
-    {"Einsum", "CumSum", "InstanceNormalization", "GroupNormalization", "GRU", "RNN", "Loop", "If", "Scan"}
-)
 #: Name of the stage's total (real + surrogate) loss output.
 TOTAL_LOSS = "onnxpipe/total_loss"
 
@@ -125,7 +121,8 @@ def build_stage_graphs(
 
     if not (params or grad_inputs) or not (grad_outputs or loss):
         return forward_only()
-    ensure_trainable(work, set(params) | set(grad_inputs), origin)
+    work, _ = rewrite_for_training(work)  # exporter patterns onnxruntime cannot differentiate; forward values unchanged
+    ensure_gradients(work, set(params) | set(grad_inputs), origin)
     if any(n.op_type in REWRITTEN_OPS for n in work.graph.node):
         work = _pretraining_rewrite(work, set(params) | set(grad_inputs), origin)
     _add_total_loss(work, loss, grad_outputs)
@@ -205,23 +202,6 @@ def _add_total_loss(model: onnx.ModelProto, loss: str | None, grad_outputs: Sequ
         graph.node.append(helper.make_node("Identity", [acc], [TOTAL_LOSS], name=TOTAL_LOSS))
     elem = types[loss].elem_type if loss else types[grad_outputs[0]].elem_type
     graph.output.append(helper.make_tensor_value_info(TOTAL_LOSS, elem, []))
-
-
-def ensure_trainable(model: onnx.ModelProto, trained: set[str], origin: str) -> None:
-    """Every node on a gradient path has a gradient builder; else name the nodes and the way out."""
-    live = set(trained)
-    bad = []
-    for node in model.graph.node:
-        if any(i in live for i in node.input):
-            live.update(o for o in node.output if o)
-            if node.op_type in UNTRAINABLE_OPS:
-                bad.append(f"{node.name or '<unnamed>'} ({node.op_type})")
-    if bad:
-        raise OnnxpipeError(
-            f"{origin}: onnxruntime-training has no gradient for {len(bad)} node(s): {', '.join(bad[:8])}"
-            f"{' ...' if len(bad) > 8 else ''}; re-export the model without these ops (e.g. Einsum as MatMul, "
-            "GroupNorm via Reshape+LayerNorm, GRU as LSTM) or train it elsewhere"
-        )
 
 
 def _pretraining_rewrite(model: onnx.ModelProto, trained: set[str], origin: str) -> onnx.ModelProto:

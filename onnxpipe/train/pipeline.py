@@ -24,6 +24,7 @@ from onnx import numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
+from onnxpipe.gradients import ensure_gradients
 from onnxpipe.initializers import SharedInitializer, TieChoice, untie
 from onnxpipe.manifest import Manifest
 from onnxpipe.protostream import load_weights, read_model
@@ -117,6 +118,7 @@ class Pipeline:
                     raise OnnxpipeError(f"input {vi.name!r} has a symbolic batch dim {shape[0].dim_param!r}; pass --batch B (or --dim {shape[0].dim_param}=V)")
                 dims[shape[0].dim_param] = batch // m
         graph = load(model, dims, ties)
+        ensure_gradients(graph.model, None, graph.source if isinstance(source, onnx.ModelProto) else str(source))  # before planning and workers
         self.shared = graph.shared
         if not isinstance(source, onnx.ModelProto):  # errors and the manifest name the file, not "<memory>"
             graph = dataclasses.replace(graph, source=str(source))

@@ -1,0 +1,166 @@
+"""Exporter patterns onnxruntime-training cannot differentiate, rewritten to equivalents it can.
+
+Each rewrite keeps every forward value bit-identical (it only moves the same elements) and runs
+on a copy of a stage model before its gradient graph is built; stage files keep the user's ops.
+
+- SplitToSequence + SequenceAt at constant positions (torch.onnx's dynamo exporter without
+  optimisation writes `tensor.split(...)` so) -> Split (+ Identity, or Squeeze for keepdims=0).
+- CastLike(x, like) -> Cast(x, to=like's dtype): the same conversion, and onnxruntime-training
+  has no CastLike gradient (the same export scales attention scores with it).
+
+Reading order: `Rewrite` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+__all__ = ["Rewrite", "rewrite_for_training"]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One pattern replaced."""
+
+    #: What was replaced and by what, e.g. "SplitToSequence+SequenceAt -> Split".
+    pattern: str
+    #: The node that anchored the pattern (the SplitToSequence).
+    node: str
+
+
+def rewrite_for_training(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[Rewrite, ...]]:
+    """A copy of `model` with every known non-differentiable exporter pattern replaced, and what was replaced."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    done = _split_to_sequence(out) + _cast_like(out)
+    return out, tuple(done)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            values[node.output[0]] = node.attribute[0].t
+    return {name: numpy_helper.to_array(t) for name, t in values.items() if len(t.dims) <= 1}
+
+
+def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every tensor type the model declares, plus what onnx shape inference finds (once per rewrite)."""
+    graph = model.graph
+    types = {v.name: v.type for v in list(graph.input) + list(graph.value_info) + list(graph.output) if v.type.HasField("tensor_type")}
+    types.update({t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
+    if any(o not in types for n in graph.node for o in n.output if o):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            types.update({v.name: v.type for v in inferred.graph.value_info if v.type.HasField("tensor_type") and v.name not in types})
+        except Exception:  # contrib ops: what is declared
+            pass
+    return types
+
+
+def _dim(types: Mapping[str, onnx.TypeProto], tensor: str, axis: int) -> int | None:
+    """A static dim of a tensor."""
+    found = types.get(tensor)
+    if found is None:
+        return None
+    dims = found.tensor_type.shape.dim
+    axis = axis + len(dims) if axis < 0 else axis
+    if not 0 <= axis < len(dims) or not dims[axis].HasField("dim_value"):
+        return None
+    return int(dims[axis].dim_value)
+
+
+def _cast_like(model: onnx.ModelProto) -> list[Rewrite]:
+    done: list[Rewrite] = []
+    if not any(n.op_type == "CastLike" for n in model.graph.node):
+        return done
+    types = _types(model)
+    for node in model.graph.node:
+        if node.op_type != "CastLike" or node.domain not in ("", "ai.onnx"):
+            continue
+        like = types.get(node.input[1])
+        if like is None or not like.tensor_type.elem_type:
+            continue
+        saturate = [a for a in node.attribute if a.name == "saturate"]
+        name = node.name
+        cast = helper.make_node("Cast", [node.input[0]], [node.output[0]], name=name, to=like.tensor_type.elem_type)
+        cast.attribute.extend(saturate)
+        node.CopyFrom(cast)
+        done.append(Rewrite("CastLike -> Cast", name))
+    return done
+
+
+def _sizes(model: onnx.ModelProto, node: onnx.NodeProto, consts: Mapping[str, np.ndarray], axis: int) -> list[int] | None:
+    """The piece sizes SplitToSequence cuts, when they are known statically."""
+    split = node.input[1] if len(node.input) > 1 and node.input[1] else None
+    if split is not None and split not in consts:
+        return None
+    if split is not None and consts[split].ndim == 1:
+        return [int(v) for v in consts[split]]
+    total = _dim(_types(model), node.input[0], axis)
+    if total is None:
+        return None
+    chunk = 1 if split is None else int(consts[split])
+    return [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+
+
+def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
+    graph = model.graph
+    opset = _opset(model)
+    consts = _constants(graph)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    done: list[Rewrite] = []
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx") or node.output[0] in outputs:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axis, keepdims = int(attrs.get("axis", 0)), int(attrs.get("keepdims", 1))
+        uses = readers.get(node.output[0], [])
+        if not uses or any(u.op_type != "SequenceAt" or u.input[1] not in consts for u in uses):
+            continue
+        sizes = _sizes(model, node, consts, axis)
+        if sizes is None:
+            continue
+        squeeze = keepdims == 0 and not (len(node.input) > 1 and node.input[1])
+        parts = [f"{node.output[0]}/part{i}" for i in range(len(sizes))]
+        base = node.name or node.output[0]
+        new: list[onnx.NodeProto] = []
+        if opset >= 13:
+            sizes_name = f"{base}/sizes"
+            graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), sizes_name))
+            new.append(helper.make_node("Split", [node.input[0], sizes_name], parts, name=f"{base}/split", axis=axis))
+        else:
+            new.append(helper.make_node("Split", [node.input[0]], parts, name=f"{base}/split", axis=axis, split=sizes))
+        if squeeze and opset >= 13:
+            graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), f"{base}/axes"))
+        for use in uses:
+            pos = int(consts[use.input[1]])
+            part = parts[pos + len(parts) if pos < 0 else pos]
+            if not squeeze:
+                new.append(helper.make_node("Identity", [part], [use.output[0]], name=use.name or f"{use.output[0]}/at"))
+            elif opset >= 13:
+                new.append(helper.make_node("Squeeze", [part, f"{base}/axes"], [use.output[0]], name=use.name or f"{use.output[0]}/at"))
+            else:
+                new.append(helper.make_node("Squeeze", [part], [use.output[0]], name=use.name or f"{use.output[0]}/at", axes=[axis]))
+            replaced[id(use)] = []
+        replaced[id(node)] = new
+        done.append(Rewrite("SplitToSequence+SequenceAt -> Split", node.name))
+    if done:
+        nodes = [n for old in graph.node for n in replaced.get(id(old), [old])]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return done
