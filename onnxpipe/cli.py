@@ -511,6 +511,7 @@ def train(
     report_path: str = typer.Option(None, "--report", help="Write FILE.html: the measured timeline of the last step beside the simulated one."),
     tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
     untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
+    shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
 ) -> None:
     """Train a model as a pipeline: one worker process per stage replica, the schedule's table, shared-memory transport."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -536,7 +537,8 @@ def train(
         ensure_checkpoint_dir(checkpoint_dir)  # before any worker starts
     opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
-                  loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ())) as pipe:
+                  loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),
+                  shapes_by_running=shapes_by_running) as pipe:
         print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")

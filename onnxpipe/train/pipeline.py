@@ -60,10 +60,13 @@ class Pipeline:
         time_limit: float = 10.0,
         tie: tuple[str, ...] = (),
         untie: tuple[str, ...] = (),
+        shapes_by_running: bool = False,
     ) -> None:
         self.config = TrainConfig(schedule, microbatches, optimizer or OptimizerConfig(), loss, recompute)
         self._tmp: Path | None = None
         self.model: onnx.ModelProto | None = None
+        #: Shapes static inference cannot find are read off one run on zeros (`onnxpipe.graph.load`).
+        self.shapes_by_running = shapes_by_running
         #: The model's weights read by several nodes and what was decided (`onnxpipe.initializers`); empty from a stage directory.
         self.shared: tuple[SharedInitializer, ...] = ()
         self.directory, self.manifest = self._stage_directory(source, target, stages, batch, dims, time_limit, TieChoice.of(tie, untie))
@@ -117,7 +120,7 @@ class Pipeline:
                 if batch is None:
                     raise OnnxpipeError(f"input {vi.name!r} has a symbolic batch dim {shape[0].dim_param!r}; pass --batch B (or --dim {shape[0].dim_param}=V)")
                 dims[shape[0].dim_param] = batch // m
-        graph = load(model, dims, ties)
+        graph = load(model, dims, ties, shapes_by_running=self.shapes_by_running)
         ensure_gradients(graph.model, None, graph.source if isinstance(source, onnx.ModelProto) else str(source))  # before planning and workers
         self.shared = graph.shared
         if not isinstance(source, onnx.ModelProto):  # errors and the manifest name the file, not "<memory>"
@@ -275,7 +278,7 @@ class Pipeline:
             raise OnnxpipeError(f"{self.directory}: --check needs the original model beside the stages; pass the model instead of the directory")
         from onnxpipe.graph import load
 
-        return LocalPipeline([prepare_single(load(self.model, ties=self.ties).model, self.config, self.manifest.loss)])
+        return LocalPipeline([prepare_single(load(self.model, ties=self.ties, shapes_by_running=self.shapes_by_running).model, self.config, self.manifest.loss)])
 
 
 def _read_model(path: str | os.PathLike) -> onnx.ModelProto:
