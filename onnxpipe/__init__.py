@@ -13,6 +13,10 @@ from onnxpipe.plan import plan as make_plan
 from onnxpipe.train.pipeline import Pipeline
 from onnxpipe.plan import simulate_plan as simulate
 from onnxpipe.simulate import Simulation
+from onnxpipe.calibrate import calibrate as calibrate_target
+from onnxpipe.calibrate import import_for_target as import_times
+from onnxpipe.calibrate import units as measured_units
+from onnxpipe.calibrate import write_target
 
-__all__ = ["annotate", "TieChoice", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline", "make_plan", "plan_model", "evaluate", "lower_bound", "Plan", "simulate", "Simulation"]
+__all__ = ["annotate", "TieChoice", "Costs", "NodeCost", "OnnxpipeError", "Graph", "load", "Target", "load_target", "split", "chain", "run_pipeline", "verify", "Pipeline", "make_plan", "plan_model", "evaluate", "lower_bound", "Plan", "simulate", "Simulation", "import_times", "calibrate_target", "measured_units", "write_target"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -228,20 +229,32 @@ def annotate(
     model: str = typer.Argument(..., help="The .onnx model to cost."),
     output: str = typer.Option(None, "-o", "--output", help="Write the annotated model here (costs in each node's metadata_props)."),
     json_file: str = typer.Option(None, "--json", help="Also write the cost summary as JSON."),
-    profile: bool = typer.Option(False, "--profile", help="Measure node times in onnxruntime (CPU, one thread), forward and backward."),
+    profile: bool = typer.Option(False, "--profile", help="Measure node times in onnxruntime, forward and backward, with the execution provider "
+                                                           "of --target's device (CUDA for gpu; without --target: the CPU, one thread)."),
+    times: str = typer.Option(None, "--times", help="Import measured times: onnxruntime's profiling JSON, or block times "
+                                                    "{\"blocks\": [{\"block\", \"nodes\", \"fwd_ms\", \"bwd_ms\"}]} (needs --target)."),
+    target: str = typer.Option(None, "--target", "-t", help="The target whose first device the times are for (--profile, --times)."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
     shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
 ) -> None:
     """Cost every node (FLOPs, bytes, parameters, activations, backward) and print them per op type."""
     from rich.table import Table
 
+    from onnxpipe.calibrate import import_for_target
     from onnxpipe.cost import annotate as annotate_costs
     from onnxpipe.cost import summarize, write_annotated, write_summary
     from onnxpipe.graph import load
+    from onnxpipe.target import load_target
     from onnxpipe.units import format_bytes, format_flops, format_seconds
 
+    if profile and times:
+        raise OnnxpipeError("--profile and --times both give measured times; pick one")
     graph = load(model, parse_dims(dim), shapes_by_running=shapes_by_running)
-    costs = annotate_costs(graph, profile=profile)
+    tgt = load_target(target) if target else None
+    first = tgt.devices[0] if tgt else None
+    costs = annotate_costs(graph, profile=profile, device_kind=first.kind if first else "cpu", provider=first.provider if first else "")
+    if times:
+        costs = import_for_target(graph, costs, times, tgt)
     rows, totals = summarize(costs)
     flops = lambda value: format_flops(value).removesuffix("/s")  # noqa: E731 - an amount, not a rate
     table = Table(title=f"costs of {escape(graph.source)}")
@@ -257,6 +270,12 @@ def annotate(
     if costs.profiled:
         line += f", measured {format_seconds(totals['measured_seconds'])} forward + {format_seconds(totals['measured_backward_seconds'])} backward"
     console.print(line, highlight=False)
+    if costs.profiled:
+        sources: dict[str, int] = {}
+        for c in costs.nodes.values():
+            key = f"{c.source.partition('#')[0]} ({c.measured_on})" if c.measured_seconds is not None else "analytic"
+            sources[key] = sources.get(key, 0) + 1
+        console.print("node times: " + ", ".join(f"{n} from {k}" for k, n in sources.items()), highlight=False)
     if costs.unknown_ops:
         err_console.print(f"[yellow]warning:[/] no cost formula for {', '.join(costs.unknown_ops)}: bytes-only estimates", highlight=False)
     if output:
@@ -265,6 +284,46 @@ def annotate(
     if json_file:
         write_summary(costs, json_file)
         console.print(f"wrote {escape(json_file)}", highlight=False)
+
+
+@app.command()
+@friendly
+def calibrate(
+    models: list[str] = typer.Argument(..., help="Annotated models carrying measured times (annotate --times or --profile)."),
+    target: str = typer.Option(..., "--target", "-t", help="The base target (a bundled name or a .toml file)."),
+    group: str = typer.Option(None, "--group", help="The device group the times were measured on (default: the first)."),
+    output: str = typer.Option(..., "-o", "--output", help="Write the calibrated target file here."),
+) -> None:
+    """Fit a target's per-op-class efficiencies, launch overhead and kernel model to measured times; write a new target."""
+    from rich.table import Table
+
+    from onnxpipe.calibrate import calibrate as fit
+    from onnxpipe.calibrate import units, write_target
+    from onnxpipe.cost import read_annotated
+    from onnxpipe.graph import load
+    from onnxpipe.target import load_target
+
+    base = load_target(target)
+    measured = []
+    for model in models:
+        graph = load(model)
+        costs = read_annotated(graph)
+        if costs is None or not costs.profiled:
+            raise OnnxpipeError(f"{model}: no measured times in it; annotate it with --times FILE or --profile and -o first")
+        measured += units(Path(model).stem, costs)
+    result = fit(measured, base, group)
+    ms = 1e3
+    for title, rows in (("per block", result.blocks), ("per op class", result.classes)):
+        table = Table(title=f"fit {title} (forward + backward)")
+        for column in ("name", "measured ms", "before ms", "after ms", "after / measured"):
+            table.add_column(column, justify="left" if column == "name" else "right", no_wrap=True)
+        for r in rows:
+            table.add_row(escape(r.name), f"{r.measured * ms:.3f}", f"{r.before * ms:.3f}", f"{r.after * ms:.3f}", f"{r.after / r.measured:.2f}" if r.measured else "-")
+        console.print(table)
+    console.print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in result.parameters.items()), highlight=False)
+    console.print(f"fit error (weighted RMS of log predicted/measured): {result.error_before:.3f} -> {result.error_after:.3f}", highlight=False)
+    write_target(result, base.source, "measured on " + ", ".join(Path(m).name for m in models), output)
+    console.print(f"wrote {escape(output)}", highlight=False)
 
 
 # --- split, verify, run ----------------------------------------------------

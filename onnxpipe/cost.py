@@ -14,12 +14,18 @@ Backward rule per op class (dY = bytes written, read = bytes read):
 
 | class                  | backward FLOPs                                    | backward bytes     |
 |------------------------|---------------------------------------------------|--------------------|
-| matmul, conv, rnn      | 2 x forward (grad wrt input and wrt weight)       | dY + 2 x read      |
+| matmul, conv           | forward x operands needing a gradient (input, weight; a model input needs none), one kernel each | dY + 2 x read |
+| rnn                    | 2 x forward (grad wrt input and wrt weight)       | dY + 2 x read      |
 | norm (and Softmax)     | 2 x forward (mean/variance terms of the gradient) | dY + 2 x read      |
 | elementwise, pool, reduce | 1 x forward                                    | dY + 2 x read      |
 | data                   | 0 (the gradient is moved, not computed)           | dY + read          |
 | other (no formula)     | 0                                                 | dY + 2 x read      |
 | If / Loop / Scan       | body's backward x trip count                      | body's x trips + own |
+
+BatchNormalization, InstanceNormalization and GroupNormalization read their input twice in training
+(a pass for the batch statistics, then one to normalize: PyTorch's `batch_norm_collect_statistics_kernel`
+and `batch_norm_transform_input_kernel`), so their read bytes count it twice, and their backward (a reduce
+pass and an elementwise pass over dY and X) dY + 2 x that.
 
 Control flow: a Loop costs its body times the trip count when that count is a constant (else
 once, and "Loop" is listed in `unknown_ops`); a Scan its body times the scanned axis length;
@@ -39,14 +45,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, MissingShape, forward_flops, op_class
+from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, TWO_PASS_NORMS, MissingShape, forward_flops, gemm_shape, op_class
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
 from onnxpipe.protostream import load_weights
 
 __all__ = [
-    "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "summarize",
+    "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "with_measurements", "summarize",
     "write_annotated", "read_annotated", "write_summary",
 ]
 
@@ -77,6 +83,19 @@ class NodeCost:
     measured_seconds: float | None = None
     #: Median measured backward seconds (profile mode), else None.
     measured_backward_seconds: float | None = None
+    #: Implicit-GEMM shape of a matmul or convolution, which its efficiency depends on: the reduction length K
+    #: (input channels per group x kernel size, or the inner dimension) and the output columns N (output
+    #: channels, or the last output dimension); 0 for other ops and depthwise convolutions (memory-bound).
+    gemm_k: float = 0.0
+    gemm_n: float = 0.0
+    #: A 3x3, stride-1, undilated, ungrouped convolution: GPUs run these with Winograd-class algorithms.
+    winograd: bool = False
+    #: Kernels the backward pass runs for this node (a convolution's input and weight gradients are two).
+    backward_kernels: float = 1.0
+    #: Device kind the measured times were taken on ("cpu", "gpu", ...); measured times price only that kind.
+    measured_on: str | None = None
+    #: Where the measured times come from ("profile:CPUExecutionProvider", "import:times.json", ...); "" when analytic.
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,30 +113,40 @@ class Costs:
 _BACKWARD_FACTOR = {"matmul": 2.0, "conv": 2.0, "rnn": 2.0, "norm": 2.0, "elementwise": 1.0, "pool": 1.0, "reduce": 1.0, "data": 0.0, "other": 0.0}
 
 
-def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int = 2) -> Costs:
-    """Cost every compute node; with `profile`, add median times measured in onnxruntime (CPU, one thread)."""
+def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int = 2, device_kind: str = "cpu", provider: str = "") -> Costs:
+    """Cost every compute node; with `profile`, add median times measured in onnxruntime with the execution
+    provider of a `device_kind` device (`provider` when named; the CPU on one thread for "cpu")."""
     owners = _first_readers(graph)
+    graded = _gradient_tensors(graph)
     nodes: dict[str, NodeCost] = {}
     unknown: set[str] = set()
     for name in graph.compute_nodes:
-        cost, missing = _node_cost(graph.node(name), graph.node_inputs(name), graph, graph.constants, owners.get(name, 0))
+        cost, missing = _node_cost(graph.node(name), graph.node_inputs(name), graph, graph.constants, owners.get(name, 0), graded)
         nodes[name] = cost
         unknown |= missing
     costs = Costs(nodes=nodes, unknown_ops=tuple(sorted(unknown)), profiled=False)
-    return _with_measurements(graph, costs, runs, warmup) if profile else costs
+    if not profile:
+        return costs
+    from onnxpipe.cost_profile import execution_provider, profile_times
+
+    chosen = execution_provider(device_kind, provider)
+    forward, backward = profile_times(graph, runs=runs, warmup=warmup, provider=chosen)
+    return with_measurements(costs, forward, backward, device_kind, f"profile:{chosen}")
 
 
-def _with_measurements(graph: Graph, costs: Costs, runs: int, warmup: int) -> Costs:
-    from onnxpipe.cost_profile import profile_times
-
-    forward, backward = profile_times(graph, runs=runs, warmup=warmup)
+def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapping[str, float], device_kind: str, source: str) -> Costs:
+    """`costs` with measured seconds where `forward` has them (taken on a `device_kind` device, from `source`);
+    a node without a measured backward gets its forward time x its backward/forward FLOP ratio."""
     nodes = {}
     for name, cost in costs.nodes.items():
         fwd = forward.get(name)
         bwd = backward.get(name)
-        if bwd is None and fwd is not None:
+        if fwd is None:
+            nodes[name] = cost
+            continue
+        if bwd is None:
             bwd = fwd * ((cost.backward_flops / cost.flops if cost.flops else 0.0) or 1.0)
-        nodes[name] = replace(cost, measured_seconds=fwd, measured_backward_seconds=bwd)
+        nodes[name] = replace(cost, measured_seconds=fwd, measured_backward_seconds=bwd, measured_on=device_kind, source=source)
     return replace(costs, nodes=nodes, profiled=True)
 
 
@@ -143,6 +172,17 @@ def _first_readers(graph: Graph) -> dict[str, float]:
     return owned
 
 
+def _gradient_tensors(graph: Graph) -> frozenset[str]:
+    """Tensors training computes a gradient for: the parameters, constant chains of them (a folded
+    Transpose of a weight), and every compute output downstream of one. A model input gets none, so the
+    first convolution of a network computes its weight gradient only."""
+    graded = set(graph.parameters)
+    for name in graph.order:
+        if any(t in graded for t in graph.node_inputs(name)):
+            graded.update(o for o in graph.node(name).output if o)
+    return frozenset(graded)
+
+
 def _nbytes(graph: Graph, tensor: str) -> int:
     info = graph.tensors.get(tensor)
     return info.nbytes if info is not None else 0
@@ -158,18 +198,32 @@ def _shape_of(graph: Graph):  # noqa: ANN202 - a ShapeOf closure
     return shape
 
 
-def _node_cost(node: onnx.NodeProto, reads: Iterable[str], graph: Graph, constants: frozenset[str], param_bytes: float) -> tuple[NodeCost, set[str]]:
-    """One node's cost in the scope of `graph` (the model or a control-flow body) and the op types it could not cost."""
+def _node_cost(
+    node: onnx.NodeProto, reads: Iterable[str], graph: Graph, constants: frozenset[str], param_bytes: float, graded: frozenset[str] | None = None
+) -> tuple[NodeCost, set[str]]:
+    """One node's cost in the scope of `graph` (the model or a control-flow body) and the op types it could not
+    cost. `graded`: the tensors that get a gradient (None: every input does)."""
     read = float(sum(_nbytes(graph, t) for t in reads if t not in constants or _is_float(graph, t)))
     written = float(sum(_nbytes(graph, o) for o in node.output if o))
     if node.op_type in CONTROL_FLOW_OPS and node.domain in ("", "ai.onnx"):
         return _control_flow(node, graph, constants, read, written, param_bytes)
     klass = op_class(node.op_type)
+    shape = _shape_of(graph)
     try:
-        flops = forward_flops(node, _shape_of(graph))
+        flops = forward_flops(node, shape)
     except (MissingShape, KeyError, IndexError, ValueError):  # a formula that cannot apply is no formula
         flops = None
     known = flops is not None
+    try:
+        gemm = gemm_shape(node, shape)
+    except (MissingShape, KeyError, IndexError, ValueError):
+        gemm = None
+    if node.op_type in TWO_PASS_NORMS and node.input:
+        read += _nbytes(graph, node.input[0])  # training: one pass for the batch statistics, one to normalize
+    factor, kernels = _BACKWARD_FACTOR[klass], 1.0
+    if klass in ("matmul", "conv"):  # one gradient GEMM per operand that needs a gradient
+        grads = sum(1 for t in node.input[:2] if t and (graded is None or t in graded))
+        factor, kernels = float(grads), float(max(1, grads))
     cost = NodeCost(
         op_type=node.op_type,
         op_class=klass,
@@ -178,9 +232,13 @@ def _node_cost(node: onnx.NodeProto, reads: Iterable[str], graph: Graph, constan
         bytes_written=written,
         param_bytes=param_bytes,
         activation_bytes=written,
-        backward_flops=_BACKWARD_FACTOR[klass] * (flops or 0.0),
+        backward_flops=factor * (flops or 0.0),
         backward_bytes=written + (1 if klass == "data" else 2) * read,
         known=known,
+        gemm_k=float(gemm[0]) if gemm else 0.0,
+        gemm_n=float(gemm[1]) if gemm else 0.0,
+        winograd=bool(gemm and gemm[2]),
+        backward_kernels=kernels,
     )
     return cost, set() if known else {node.op_type}
 
@@ -370,7 +428,8 @@ def summarize(costs: Costs) -> tuple[list[OpTypeSummary], dict[str, float]]:
 _PREFIX = "onnxpipe."
 #: Models this large keep their weights in a side file: protobuf cannot serialize 2 GB.
 _EXTERNAL_DATA_BYTES = 2**31 - 2**20
-_NUMBER_FIELDS = tuple(f.name for f in fields(NodeCost) if f.name not in ("op_type", "op_class", "known"))
+_TEXT_FIELDS = ("op_type", "op_class", "known", "winograd", "measured_on", "source")
+_NUMBER_FIELDS = tuple(f.name for f in fields(NodeCost) if f.name not in _TEXT_FIELDS)
 
 
 def write_annotated(graph: Graph, costs: Costs, path: str | os.PathLike) -> None:
@@ -388,7 +447,8 @@ def write_annotated(graph: Graph, costs: Costs, path: str | os.PathLike) -> None
 
 
 def _node_props(cost: NodeCost) -> dict[str, str]:
-    props = {f"{_PREFIX}op_class": cost.op_class, f"{_PREFIX}known": str(cost.known).lower()}
+    props = {f"{_PREFIX}op_class": cost.op_class, f"{_PREFIX}known": str(cost.known).lower(), f"{_PREFIX}winograd": str(cost.winograd).lower()}
+    props.update({_PREFIX + key: getattr(cost, key) for key in ("measured_on", "source") if getattr(cost, key)})
     for key in _NUMBER_FIELDS:
         value = getattr(cost, key)
         if value is not None:
@@ -413,7 +473,11 @@ def read_annotated(graph: Graph) -> Costs | None:
             return None
         try:
             numbers = {key: float(props[key]) if key in props else None for key in _NUMBER_FIELDS}
-            nodes[name] = NodeCost(op_type=node.op_type, op_class=props["op_class"], known=props.get("known", "true") == "true", **numbers)  # type: ignore[arg-type]
+            numbers = {key: value for key, value in numbers.items() if value is not None or key.startswith("measured")}
+            measured_on = props.get("measured_on") or ("cpu" if numbers.get("measured_seconds") is not None else None)
+            nodes[name] = NodeCost(op_type=node.op_type, op_class=props["op_class"], known=props.get("known", "true") == "true",
+                                   winograd=props.get("winograd") == "true", measured_on=measured_on, source=props.get("source", ""),
+                                   **numbers)  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as exc:
             raise OnnxpipeError(f"{graph.source}: node '{name}' has a damaged cost annotation ({exc}); re-run `onnxpipe annotate`") from exc
     model_props = {p.key: p.value for p in graph.model.metadata_props}

@@ -18,12 +18,15 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-__all__ = ["MissingShape", "ShapeOf", "op_class", "forward_flops", "CONTROL_FLOW_OPS"]
+__all__ = ["MissingShape", "ShapeOf", "op_class", "forward_flops", "gemm_shape", "CONTROL_FLOW_OPS", "TWO_PASS_NORMS"]
 
 #: Looks up the concrete shape of a tensor; raises MissingShape when it is not known.
 ShapeOf = Callable[[str], tuple[int, ...]]
 
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
+#: Normalizations whose training forward reads the input twice (statistics over the batch or a spatial
+#: extent too large to keep in registers, then the normalization itself).
+TWO_PASS_NORMS = frozenset({"BatchNormalization", "InstanceNormalization", "GroupNormalization"})
 
 #: Domains whose op types the tables below describe.
 _KNOWN_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft"})
@@ -241,3 +244,32 @@ _FAMILIES: dict[str, Callable[[onnx.NodeProto, ShapeOf], float]] = {
     "LRN": _lrn,
     **dict.fromkeys(_POOL, _pool),
 }
+
+
+def gemm_shape(node: onnx.NodeProto, shape: ShapeOf) -> tuple[int, int, bool] | None:
+    """(K, N, winograd) of the implicit GEMM a matmul or convolution runs as: the reduction length, the
+    output columns, and whether it is a 3x3 stride-1 undilated ungrouped convolution. None for other ops
+    and for depthwise convolutions (one input channel per group: memory-bound, no GEMM to speak of)."""
+    if node.domain not in _KNOWN_DOMAINS:
+        return None
+    op = node.op_type
+    if op in ("Conv", "ConvInteger", "ConvTranspose"):
+        weight, attrs = shape(node.input[1]), _attrs(node)
+        groups = int(attrs.get("group", 1))  # type: ignore[call-overload]
+        kernel = list(weight[2:])
+        if op == "ConvTranspose":  # weight: C_in x C_out/groups x kernel
+            per_group, n = weight[0] // groups, weight[1] * groups
+        else:  # weight: C_out x C_in/groups x kernel; the groups run side by side
+            per_group, n = weight[1], weight[0]
+        if groups > 1 and per_group == 1:
+            return None
+        k = per_group * math.prod(kernel)
+        unit = all(int(v) == 1 for v in list(attrs.get("strides", [])) + list(attrs.get("dilations", [])))  # type: ignore[call-overload]
+        return k, n, op == "Conv" and groups == 1 and kernel == [3, 3] and unit
+    if op in ("MatMul", "MatMulInteger"):
+        out = shape(node.output[0])
+        return shape(node.input[0])[-1], (out[-1] if out else 1), False
+    if op == "Gemm":
+        a, out = shape(node.input[0]), shape(node.output[0])
+        return (a[0] if _attrs(node).get("transA", 0) else a[1]), out[1], False
+    return None

@@ -1,13 +1,14 @@
-"""Measured node times: the model (and its gradient graph) profiled in onnxruntime on one CPU thread.
+"""Measured node times: the model (and its gradient graph) profiled in onnxruntime with the execution provider
+of the device the stage will run on (one thread on the CPU; `execution_provider` picks it per device kind).
 
-Reading order: `profile_times` -> `_feeds` -> `_profile` (session + JSON trace -> median per node)
--> `_training_model` (loss + GradientGraphBuilder) -> `_backward_by_forward`.
+Reading order: `execution_provider`, `ensure_provider` -> `profile_times` -> `_feeds` -> `_profile` (session + JSON trace -> median per node)
+-> `_training_model` (loss + GradientGraphBuilder) -> `backward_by_forward`.
 
 Graph optimizations are off so trace events keep the model's own node names; onnxruntime 1.19
 names gradient nodes `<forward node>_Grad/<op>_<i>`, which maps them back to forward nodes. Forward
 times come from the gradient graph's run where it has the node (training's form of the node).
 Trace durations are whole microseconds: a kernel faster than that counts as half a microsecond. A run's
-time outside its kernels (the session's per-node work) is shared out over its kernels (`_medians`).
+time outside its kernels (the session's per-node work) is shared out over its kernels (`trace_medians`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
-from onnxpipe.ortutil import REWRITTEN_OPS, REWRITTEN_SUFFIXES, complete_optional_outputs, cpu_session, gradient_model, pretraining_rewrite, state_inputs
+from onnxpipe.ortutil import (
+    CPU_PROVIDER, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, complete_optional_outputs, gradient_model, pretraining_rewrite,
+    quiet_stderr, state_inputs,
+)
+from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
 
-__all__ = ["profile_times"]
+__all__ = ["profile_times", "execution_provider", "ensure_provider", "trace_medians", "own_names", "backward_by_forward"]
+
+#: Each device kind's own execution provider.
+_KIND_PROVIDERS = {"gpu": "CUDAExecutionProvider", "cpu": CPU_PROVIDER}
 
 _RESOLUTION_FLOOR = 0.5e-6
 _GRAD_MARK = "_Grad/"
@@ -36,21 +44,46 @@ _LOSS = "onnxpipe.profile_loss"
 _TWO_GB = 2**31
 
 
-def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2) -> tuple[dict[str, float], dict[str, float]]:
+def execution_provider(kind: str, named: str = "") -> str:
+    """The onnxruntime execution provider that measures a device of `kind`: the one its target entry names,
+    else the kind's own (CUDA for gpu, CPU for cpu); other kinds must name one."""
+    if named:
+        return named
+    if kind not in _KIND_PROVIDERS:
+        raise OnnxpipeError(f"{kind} devices have no onnxruntime execution provider of their own; name one in the target's "
+                            f'[[devices]] entry (provider = "VitisAIExecutionProvider", say), or plan without --profile')
+    return _KIND_PROVIDERS[kind]
+
+
+class _NotStarted(Exception):
+    """The session fell back from the provider asked for to the CPU."""
+
+
+def ensure_provider(provider: str) -> None:
+    """Fail in one line when this onnxruntime lacks `provider`."""
+    have = available_providers()
+    if provider not in have:
+        raise OnnxpipeError(f"this onnxruntime has no {provider} (it has {', '.join(have)}); install an onnxruntime-training "
+                            f"build with {provider} on the machine that has the device and profile there, or import times "
+                            f"measured there with `onnxpipe annotate --times FILE`")
+
+
+def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str = CPU_PROVIDER) -> tuple[dict[str, float], dict[str, float]]:
     """Median forward seconds per compute node, and median backward seconds per forward node that
-    has gradient nodes (empty when no gradient graph can be built)."""
+    has gradient nodes (empty when no gradient graph can be built), measured with `provider`."""
     if runs < 1 or warmup < 0:
         raise OnnxpipeError(f"profile runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
+    ensure_provider(provider)
     model = onnx.ModelProto()
     model.CopyFrom(graph.model)
     load_weights(model, graph.weights_dir or ".")  # profiling runs the model: it needs every weight
     model.ir_version = min(model.ir_version, 10)
     feeds = _feeds(graph)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
-        forward = _profile(model, feeds, tmp, "forward", runs, warmup)
+        forward = _profile(model, feeds, tmp, "forward", runs, warmup, provider)
         training = _training_model(graph, model)
-        trained = _own_names(_profile(training, feeds, tmp, "backward", runs, warmup), forward) if training else {}
-    backward = _backward_by_forward(trained)
+        trained = own_names(_profile(training, feeds, tmp, "backward", runs, warmup, provider), forward) if training else {}
+    backward = backward_by_forward(trained)
     # Training runs a node's forward in its training form (MaxPool also returning the indices its
     # gradient needs, several times slower): where the gradient graph ran it, that is its forward time.
     forward.update({n: t for n, t in trained.items() if n in forward})
@@ -72,7 +105,7 @@ def _feeds(graph: Graph) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, tag: str, runs: int, warmup: int) -> dict[str, float]:
+def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, tag: str, runs: int, warmup: int, provider: str) -> dict[str, float]:
     """Node name -> median over the measured runs of its summed kernel time in each run."""
     path = os.path.join(tmp, f"{tag}.onnx")
     if model.ByteSize() >= _TWO_GB:
@@ -80,22 +113,29 @@ def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, 
     else:
         onnx.save_model(model, path)
     try:
-        session = cpu_session(path, threads=1, optimize=False, profile_prefix=os.path.join(tmp, tag))
+        threads = 1 if provider == CPU_PROVIDER else 0
+        with quiet_stderr():  # a provider whose libraries fail to load logs at error level, then falls back to the CPU
+            session = ort_session(path, provider, threads=threads, optimize=False, profile_prefix=os.path.join(tmp, tag))
+        if provider not in session.get_providers():
+            raise _NotStarted(provider)
         wanted = {i.name for i in session.get_inputs()}
         feed = {k: v for k, v in feeds.items() if k in wanted}
         for _ in range(warmup + runs):
             session.run(None, feed)
         trace = session.end_profiling()
+    except _NotStarted:
+        raise OnnxpipeError(f"onnxruntime could not start {provider} here (its libraries or the device are missing); run --profile on the "
+                            f"machine that has the device, or import times measured there with `onnxpipe annotate --times FILE`") from None
     except Exception as exc:  # onnxruntime raises its own exception types for unsupported models
         if tag == "backward":
             return {}
         raise OnnxpipeError(f"profiling failed in onnxruntime ({str(exc).splitlines()[0][:200]}); annotate without --profile") from exc
     with open(trace) as f:
         events = json.load(f)
-    return _medians(events, warmup)
+    return trace_medians(events, warmup)
 
 
-def _medians(events: list[dict], warmup: int) -> dict[str, float]:
+def trace_medians(events: list[dict], warmup: int) -> dict[str, float]:
     """Each node's kernel time plus its share of the run's time outside kernels: the session spends
     3-5 us per node between kernels (measured here: 4% of a small decoder's run), far more than a
     kernel launch, and the executor's runs pay it too; it is split evenly over the run's kernels."""
@@ -164,7 +204,7 @@ def _append_sum_loss(g: onnx.GraphProto, outputs: list[str]) -> str:
     return total
 
 
-def _own_names(times: Mapping[str, float], forward: Mapping[str, float]) -> dict[str, float]:
+def own_names(times: Mapping[str, float], forward: Mapping[str, float]) -> dict[str, float]:
     """Times under the model's node names: a rewritten node (`<name>_training`, with gradient nodes
     `<name>_training_Grad/...`, and likewise for the other `REWRITTEN_SUFFIXES`) back under `<name>`."""
     out: dict[str, float] = {}
@@ -177,7 +217,7 @@ def _own_names(times: Mapping[str, float], forward: Mapping[str, float]) -> dict
     return out
 
 
-def _backward_by_forward(times: Mapping[str, float]) -> dict[str, float]:
+def backward_by_forward(times: Mapping[str, float]) -> dict[str, float]:
     """Gradient node times summed per forward node (`<fwd>_Grad/...`)."""
     backward: dict[str, float] = {}
     for node, seconds in times.items():

@@ -10,10 +10,11 @@ import sys
 from collections.abc import Iterator
 
 __all__ = [
-    "quiet_stderr", "quiet_logger", "cpu_session", "gradient_model", "ort_reason",
+    "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "gradient_model", "ort_reason",
     "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "pretraining_rewrite", "state_inputs",
 ]
 
+CPU_PROVIDER = "CPUExecutionProvider"
 #: Ops differentiable only after onnxruntime's pre-training rewrites (LSTM -> com.microsoft LSTMTraining,
 #: BatchNormalization -> BatchNormInternal in training mode): a graph holding one goes through `pretraining_rewrite`.
 REWRITTEN_OPS = frozenset({"LSTM", "BatchNormalization"})
@@ -52,6 +53,18 @@ def quiet_logger() -> None:
 def cpu_session(model: bytes | str | os.PathLike, *, threads: int = 0, optimize: bool = True, profile_prefix: str | None = None):  # -> InferenceSession
     """An onnxruntime session on the CPU with quiet logs. `threads` > 0 pins the intra-op threads (one
     inter-op thread); `optimize=False` keeps the model's own nodes, as profiling and shape probing need."""
+    return session(model, CPU_PROVIDER, threads=threads, optimize=optimize, profile_prefix=profile_prefix)
+
+
+def available_providers() -> tuple[str, ...]:
+    """The execution providers this onnxruntime build has."""
+    import onnxruntime as ort
+
+    return tuple(ort.get_available_providers())
+
+
+def session(model: bytes | str | os.PathLike, provider: str, *, threads: int = 0, optimize: bool = True, profile_prefix: str | None = None):  # -> InferenceSession
+    """An onnxruntime session on `provider` (nodes it lacks fall back to the CPU), options as `cpu_session`."""
     import onnxruntime as ort
 
     quiet_logger()
@@ -66,7 +79,8 @@ def cpu_session(model: bytes | str | os.PathLike, *, threads: int = 0, optimize:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
     source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    providers = [provider] + ([CPU_PROVIDER] if provider != CPU_PROVIDER else [])
+    return ort.InferenceSession(source, options, providers=providers)
 
 
 def gradient_model(model: bytes, loss: str, trained: set[str]):  # -> onnx.ModelProto

@@ -17,7 +17,7 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
@@ -26,7 +26,7 @@ from onnxpipe.cost import OP_CLASSES
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.units import UnitError, parse_quantity
 
-__all__ = ["Device", "Link", "MessageCpu", "HostModel", "Target", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
+__all__ = ["Device", "KernelModel", "GPU_KERNELS", "Link", "MessageCpu", "HostModel", "Target", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
 
 #: Device kinds a target may hold.
 DEVICE_KINDS = ("gpu", "fpga", "cpu")
@@ -34,6 +34,36 @@ DEVICE_KINDS = ("gpu", "fpga", "cpu")
 DTYPES = ("float32", "float16", "bfloat16", "int8")
 #: Link topologies.
 TOPOLOGIES = ("switch", "ring", "nvlink", "pcie", "ethernet", "shm")
+
+
+@dataclass(frozen=True)
+class KernelModel:
+    """How a device's kernels fall short of the plain roofline (`onnxpipe.pricing.timemodel.node_seconds` applies it). The
+    neutral values leave the roofline as it is; gpu devices default to `GPU_KERNELS`."""
+
+    #: Fraction of `memory_bandwidth` that streaming kernels (elementwise, normalization, pooling) reach.
+    memory_efficiency: float = 1.0
+    #: GEMM-class kernels (matmuls, convolutions as implicit GEMMs) reach half their op-class efficiency at a
+    #: reduction length K of `reduction_half` and at `columns_half` output columns N: factor K/(K+k½) x N/(N+n½).
+    reduction_half: float = 0.0
+    columns_half: float = 0.0
+    #: Effective speed-up of 3x3 stride-1 convolutions (Winograd-class algorithms do fewer multiplies).
+    winograd_speedup: float = 1.0
+
+
+#: Defaults for gpu devices whose target file gives no `[devices.kernels]` table.
+#: - memory_efficiency 0.9: streaming kernels reach ~90% of HBM's datasheet bandwidth (BabelStream-class
+#:   copy/triad kernels on A100/H100; NVIDIA's CUDA best-practices guide reports effective vs theoretical
+#:   bandwidth the same way). Estimate.
+#: - reduction_half 64, columns_half 32: CUTLASS/cuDNN FP32 implicit-GEMM kernels work on output tiles of
+#:   64-128 columns and K-steps of 8-32 with a multi-stage pipeline, so a K under ~64 or an N under ~32 leaves
+#:   the pipeline and the tile mostly idle (NVIDIA "Matrix Multiplication Background User's Guide": tile and
+#:   wave quantization; "Convolutional Layers User's Guide": few channels run far from peak). Estimate.
+#: - winograd_speedup 1.5: F(2x2,3x3) Winograd needs 2.25x fewer multiplies than direct convolution, its
+#:   transforms take part of that back (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks",
+#:   CVPR 2016); measured: VGG-16's FP32 3x3 layers on an H100 run at 33-69 TFLOP/s of direct-convolution
+#:   FLOPs against a 67 TFLOP/s peak (shared/measured/h100), which only a reduced-arithmetic algorithm does.
+GPU_KERNELS = KernelModel(memory_efficiency=0.9, reduction_half=64.0, columns_half=32.0, winograd_speedup=1.5)
 
 
 @dataclass(frozen=True)
@@ -67,6 +97,11 @@ class Device:
     #: and adds them to the step's sums (beyond the node times: output copies, accumulation); 0 when not
     #: measured (free).
     gradient_bandwidth: float = 0.0
+    #: Shape-dependent efficiency and achieved memory bandwidth of its kernels.
+    kernels: KernelModel = KernelModel()
+    #: The onnxruntime execution provider `--profile` measures with on this device; "" picks the kind's own
+    #: (CUDAExecutionProvider for gpu, CPUExecutionProvider for cpu).
+    provider: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,7 +209,7 @@ class Target:
         raise KeyError(f"no link between {ga} and {gb}")
 
 
-_BUNDLED = ("fpga4", "gpu4", "hetero", "cpu2", "cpu4")
+_BUNDLED = ("fpga4", "gpu4", "h100x8", "hetero", "cpu2", "cpu4")
 
 #: What to write for a missing key, shown in the error.
 _EXAMPLES = {
@@ -193,6 +228,8 @@ _EXAMPLES = {
     "step_overhead": 'step_overhead = "200 us"',
     "gradient_bandwidth": 'gradient_bandwidth = "9 GB/s"',
     "efficiency": "efficiency = { default = 0.5 }",
+    "kernels": "kernels = { memory_efficiency = 0.9 }",
+    "provider": 'provider = "CUDAExecutionProvider"',
     "corun_bandwidth": 'corun_bandwidth = "45 GB/s"',
     "shared_cache": 'shared_cache = "32 MiB"',
     "time_slice": 'time_slice = "4 ms"',
@@ -305,7 +342,7 @@ def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, f
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:
     """The group name, its count, and the Device fields shared by its instances."""
     required = ("name", "kind", "count", "memory", "memory_bandwidth", "peak_flops", "op_overhead", "efficiency")
-    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead", "gradient_bandwidth"), origin, path)
+    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead", "gradient_bandwidth", "kernels", "provider"), origin, path)
     group = _ensure_str(table, "name", origin, path)
     if not _GROUP_NAME.match(group):
         _fail(origin, f"{path}.name", f"bad group name {group!r}; use letters, digits and '-', starting with a letter")
@@ -330,8 +367,29 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
         "threads": threads,
         **{key: _ensure_quantity(table, key, "time", origin, path, allow_zero=True) for key in ("action_overhead", "step_overhead") if key in table},
         **({"gradient_bandwidth": _ensure_quantity(table, "gradient_bandwidth", "bandwidth", origin, path)} if "gradient_bandwidth" in table else {}),
+        "kernels": _parse_kernels(table, kind, origin, path),
+        **({"provider": _ensure_str(table, "provider", origin, path)} if "provider" in table else {}),
     }
     return group, count, fields
+
+
+def _parse_kernels(table: dict[str, Any], kind: str, origin: str, path: str) -> KernelModel:
+    """`[devices.kernels]` over the kind's defaults (`GPU_KERNELS` for gpu devices, neutral otherwise)."""
+    base = GPU_KERNELS if kind == "gpu" else KernelModel()
+    if "kernels" not in table:
+        return base
+    sub = _ensure_subtable(table, "kernels", origin, path)
+    keys = tuple(f.name for f in fields(KernelModel))
+    _ensure_keys(sub, (), keys, origin, f"{path}.kernels")
+    values = {}
+    for key in sub:
+        value = sub[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (key != "reduction_half" and key != "columns_half" and value <= 0):
+            _fail(origin, f"{path}.kernels.{key}", f"expected a {'number >= 0' if key.endswith('_half') else 'positive number'}, got {value!r}")
+        if key == "memory_efficiency" and value > 1:
+            _fail(origin, f"{path}.kernels.{key}", f"a fraction of memory_bandwidth must be in (0, 1], got {value!r}")
+        values[key] = float(value)
+    return replace(base, **values)
 
 
 def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -> tuple[Link, MessageCpu | None]:

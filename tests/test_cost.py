@@ -51,10 +51,38 @@ def test_conv_groups_strides_pads_bias():
     graph, costs = _one([node], [("x", [1, 4, 8, 8])], ["y"], {"W": _zeros(6, 2, 3, 3), "B": _zeros(6)})
     assert graph.tensors["y"].shape == (1, 6, 4, 4)
     c = costs.nodes["conv"]
-    assert (c.op_class, c.flops, c.backward_flops) == ("conv", 2 * 96 * 18 + 96, 2 * (2 * 96 * 18 + 96))
+    # x is a model input: training computes the weight gradient only
+    assert (c.op_class, c.flops, c.backward_flops, c.backward_kernels) == ("conv", 2 * 96 * 18 + 96, 2 * 96 * 18 + 96, 1)
+    assert (c.gemm_k, c.gemm_n, c.winograd) == (2 * 9, 6, False)  # grouped: 2 channels x 3x3 per group, 6 columns side by side
     assert c.param_bytes == (6 * 2 * 9 + 6) * 4
     assert c.bytes_read == 4 * 64 * 4 + c.param_bytes
     assert c.bytes_written == c.activation_bytes == 96 * 4
+
+
+def test_conv_after_a_trained_node_computes_both_gradients_and_is_winograd_shaped():
+    nodes = [helper.make_node("Mul", ["x", "scale"], ["r"], name="scale"),  # a trained scale upstream: r needs a gradient
+             helper.make_node("Conv", ["r", "W"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    _, costs = _one(nodes, [("x", [2, 4, 8, 8])], ["y"], {"W": _zeros(6, 4, 3, 3), "scale": np.ones((4, 1, 1), np.float32)})
+    assert costs.nodes["scale"].backward_kernels == 1
+    c = costs.nodes["conv"]
+    assert (c.backward_flops, c.backward_kernels) == (2 * c.flops, 2)
+    assert (c.gemm_k, c.gemm_n, c.winograd) == (4 * 9, 6, True)
+
+
+def test_depthwise_conv_has_no_gemm_shape():
+    node = helper.make_node("Conv", ["x", "W"], ["y"], name="dw", group=4, pads=[1, 1, 1, 1])
+    _, costs = _one([node], [("x", [1, 4, 8, 8])], ["y"], {"W": _zeros(4, 1, 3, 3)})
+    assert (costs.nodes["dw"].gemm_k, costs.nodes["dw"].gemm_n, costs.nodes["dw"].winograd) == (0, 0, False)
+
+
+def test_batch_norm_reads_its_input_twice_in_training():
+    # statistics pass + normalize pass: 2 x 512 B of input (+ 4 vectors of 4 floats); backward dY + 2 x that
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn")
+    vec = np.ones(4, np.float32)
+    _, costs = _one([node], [("x", [2, 4, 4, 4])], ["y"], {"s": vec, "b": vec, "m": vec, "v": vec})
+    c = costs.nodes["bn"]
+    assert c.bytes_read == 2 * 512 + 4 * 16
+    assert c.backward_bytes == 512 + 2 * c.bytes_read
 
 
 def test_conv_dilations_shrink_the_output():
@@ -243,7 +271,18 @@ def test_published_figures(full_size, name, macs, params):
     assert totals["flops"] / 2 == pytest.approx(macs, rel=0.05)
     assert totals["params_bytes"] / 4 == pytest.approx(params, rel=0.01)
     assert rows[0].op_type == "Conv" and rows[0].flops_share > 0.95
-    assert totals["backward_flops"] == pytest.approx(2 * totals["flops"], rel=0.02)
+    # every conv and matmul computes two gradients but the first, fed by the image: its weight gradient only
+    first = next(r for r in rows if r.op_type == "Conv")
+    assert totals["backward_flops"] == pytest.approx(2 * totals["flops"] - _first_conv_flops(name), rel=0.02)
+    assert first.backward_flops < 2 * first.flops
+
+
+def _first_conv_flops(name):
+    from onnxpipe import models
+
+    graph = load(models.build(name))
+    costs = annotate(graph)
+    return next(costs.nodes[n].flops for n in graph.compute_nodes if costs.nodes[n].op_type == "Conv")
 
 
 # --- measured mode and the round trip ----------------------------------------

@@ -93,7 +93,8 @@ def plan_model(
     target = load_target(target) if isinstance(target, str) else target
     costs = read_annotated(graph)
     if costs is None:
-        costs = annotate(graph, profile=target.profile if profile is None else profile)
+        first = target.devices[0]  # measured with the execution provider of the first device group's kind
+        costs = annotate(graph, profile=target.profile if profile is None else profile, device_kind=first.kind, provider=first.provider)
     return graph, costs, target, plan(graph, costs, target, **options)  # type: ignore[arg-type]
 
 

@@ -4,21 +4,40 @@ host effects of cpu workers (co-run slowdown, CPU per message). Pure functions o
 from __future__ import annotations
 
 from onnxpipe.cost import NodeCost
-from onnxpipe.target import Device, MessageCpu, Target
+from onnxpipe.target import Device, KernelModel, MessageCpu, Target
 
-__all__ = ["node_seconds", "transfer_seconds", "allreduce_seconds", "corun_seconds", "message_cpu"]
+__all__ = ["node_seconds", "shape_factor", "transfer_seconds", "allreduce_seconds", "corun_seconds", "message_cpu"]
 
 
 def node_seconds(device: Device, cost: NodeCost, dtype: str = "float32", backward: bool = False) -> float:
-    """Roofline time of one node on a device; measured times win where present on cpu devices."""
+    """Seconds of one node's forward (or backward) pass on `device`: measured where it was measured on that kind
+    of device, else a roofline whose compute side follows the kernel's shape and whose memory side the bandwidth
+    kernels reach, plus a launch overhead per kernel:
+
+        max(flops / (peak x efficiency[op class] x shape_factor), bytes / (bandwidth x memory_efficiency))
+        + op_overhead x kernels    (1 forward, the node's backward_kernels backward)
+
+    With `KernelModel()`'s neutral values (cpu and fpga devices by default) this is the plain roofline."""
     measured = cost.measured_backward_seconds if backward else cost.measured_seconds
-    if measured is not None and device.kind == "cpu":
+    if measured is not None and device.kind == (cost.measured_on or "cpu"):
         return measured
     flops = cost.backward_flops if backward else cost.flops
     nbytes = cost.backward_bytes if backward else cost.bytes_read + cost.bytes_written
     peak = device.peak_flops.get(dtype) or device.peak_flops["float32"]
-    efficiency = device.efficiency.get(cost.op_class, device.efficiency.get("default", 1.0))
-    return max(flops / (peak * efficiency), nbytes / device.memory_bandwidth) + device.op_overhead
+    efficiency = device.efficiency.get(cost.op_class, device.efficiency.get("default", 1.0)) * shape_factor(device.kernels, cost)
+    kernels = cost.backward_kernels if backward else 1.0
+    memory = nbytes / (device.memory_bandwidth * device.kernels.memory_efficiency)
+    return max(flops / (peak * efficiency), memory) + device.op_overhead * kernels
+
+
+def shape_factor(model: KernelModel, cost: NodeCost) -> float:
+    """How far a matmul's or convolution's kernel gets from its op class's efficiency because of its implicit
+    GEMM's shape: K/(K+reduction_half) x N/(N+columns_half) (`NodeCost.gemm_k`, `gemm_n`), times
+    winograd_speedup for 3x3 stride-1 convolutions; 1 for other ops."""
+    if not cost.gemm_k or not cost.gemm_n:
+        return 1.0
+    factor = cost.gemm_k / (cost.gemm_k + model.reduction_half) * cost.gemm_n / (cost.gemm_n + model.columns_half)
+    return factor * (model.winograd_speedup if cost.winograd else 1.0)
 
 
 def transfer_seconds(target: Target, a: str, b: str, nbytes: float) -> float:
