@@ -169,7 +169,8 @@ def test_norms_softmax_reduce_elementwise_data():
         helper.make_node("ReduceSum", ["ad"], ["r"], name="sum", keepdims=0),
         helper.make_node("Reshape", ["ad", "shape"], ["flat"], name="reshape"),
     ]
-    inits = {"s": _zeros(4), "b": _zeros(4), "shape": np.array([6, 4], np.int64)}
+    # a bias of distinct values: a tie (one tensor, two readers), not an exporter's merge of equal constants
+    inits = {"s": _zeros(4), "b": np.arange(4, dtype=np.float32), "shape": np.array([6, 4], np.int64)}
     _, costs = _one(nodes, [("x", [2, 3, 4])], ["r", "flat"], inits)
     c = costs.nodes
     assert (c["ln"].flops, c["ln"].backward_flops, c["ln"].op_class) == (24 * 8, 2 * 24 * 8, "norm")
@@ -201,7 +202,8 @@ def test_tied_weight_counts_once_even_through_a_folded_transpose():
         helper.make_node("Transpose", ["V"], ["Vt"], name="fold_v", perm=[1, 0]),
         helper.make_node("MatMul", ["y", "Vt"], ["z"], name="third"),
     ]
-    graph, costs = _one(nodes, [("x", [2, 4])], ["z"], {"W": _zeros(4, 4), "V": _zeros(4, 4)})
+    # W of distinct values: a tie, not an exporter's merge of equal constants (those are untied on load)
+    graph, costs = _one(nodes, [("x", [2, 4])], ["z"], {"W": np.arange(16, dtype=np.float32).reshape(4, 4), "V": _zeros(4, 4)})
     assert "fold" not in costs.nodes and "fold" in graph.constant_nodes
     owned = {n: c.param_bytes for n, c in costs.nodes.items()}
     assert owned == {"first": 64, "second": 0, "third": 64}
