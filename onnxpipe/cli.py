@@ -341,6 +341,7 @@ def split(
     schedule: str = typer.Option(None, "--schedule", help="Pipeline schedule: gpipe, 1f1b or zb-h1."),
     optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
+    mode: str = typer.Option(None, "--mode", help="training, or inference: plan a forward-only pipeline."),
     time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
     shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
@@ -362,7 +363,7 @@ def split(
     from onnxpipe.units import format_bytes
 
     options = {key: value for key, value in {"batch": batch, "microbatches": microbatches, "schedule": schedule, "optimizer": optimizer,
-                                              "recompute": recompute}.items() if value is not None}
+                                              "recompute": recompute, "mode": mode}.items() if value is not None}
     if not plan_file and not target:
         raise OnnxpipeError("missing --target; name a target (see `onnxpipe targets`) or reuse a plan with --plan")
     if plan_file:
@@ -456,6 +457,9 @@ def _print_plan_quality(plan: Any) -> None:
     console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
                   f"iteration {plan.iteration_seconds * ms:.3f} ms ({plan.batch} samples, {plan.microbatches} micro-batches, {plan.schedule})",
                   highlight=False)
+    if plan.mode == "inference":
+        console.print(f"inference (forward only): {plan.batch / plan.iteration_seconds:.4g} samples/s, "
+                      f"latency {plan.latency_seconds * ms:.3f} ms per micro-batch", highlight=False)
     console.print(f"lower bound: {plan.lower_bound_seconds * ms:.3f} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
                   highlight=False)
     nodes = sum(len(s.nodes) for s in plan.stages)
@@ -477,6 +481,7 @@ def plan_command(
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, zb-h1, or auto to explore all three."),
     optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
+    mode: str = typer.Option("training", "--mode", help="training, or inference: a forward-only pipeline (throughput objective, latency reported)."),
     time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the solver may search."),
     compare: bool = typer.Option(False, "--compare", help="Also print every baseline side by side."),
     profile: bool = typer.Option(None, "--profile/--no-profile", help="Measure node times with onnxruntime (default: as the target says)."),
@@ -503,13 +508,13 @@ def plan_command(
         graph, costs, tgt, plan = plan_model(
             model, target, dims=parse_dims(dim), profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
-            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
+            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running, mode=mode,
         )
     print_shared(graph.shared)
     _warn_missing_gradients(graph)
     ms = 1e3
     table = Table(title=f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
-                        f"{plan.microbatches} micro-batches, {plan.schedule}, {plan.optimizer}")
+                        f"{plan.microbatches} micro-batches, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
     for column in ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
     for s in plan.stages:
@@ -655,6 +660,7 @@ def simulate_command(
 
     from onnxpipe import schedule as schedules
     from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
+    from onnxpipe.pricing.problem import schedule_table
     from onnxpipe.fileio import write_json
     from onnxpipe.units import format_bytes
 
@@ -669,10 +675,11 @@ def simulate_command(
         table.add_row(str(s), escape(", ".join(devices)), f"{busy * ms:.3f}", f"{(sim.iteration_seconds - busy) * ms:.3f}",
                       f"{busy / sim.iteration_seconds:.0%}", f"{format_bytes(sim.peak_memory_bytes[s])} / {format_bytes(sim.capacity_bytes[s])}")
     console.print(table)
-    console.print(f"iteration {sim.iteration_seconds * ms:.3f} ms, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%} "
+    latency = f", latency {sim.latency_seconds * ms:.3f} ms per micro-batch" if plan.mode == "inference" else ""
+    console.print(f"iteration {sim.iteration_seconds * ms:.3f} ms, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%}{latency} "
                   f"(planner's estimate {plan.iteration_seconds * ms:.3f} ms)", highlight=False)
     if len(sim.devices) <= 8 and sim.microbatches <= 8:
-        console.print(escape(schedules.render(schedules.table(sim.schedule, len(sim.devices), sim.microbatches))), highlight=False)
+        console.print(escape(schedules.render(schedule_table(plan.mode, sim.schedule, len(sim.devices), sim.microbatches))), highlight=False)
     if json_path:
         write_json(json_path, sim.to_json())
         console.print(f"wrote {escape(json_path)}", highlight=False)

@@ -25,6 +25,7 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "build",
+    "forward_only",
     "add_communication",
     "replicate",
     "in_flight",
@@ -103,6 +104,11 @@ def build(schedule: str, stages: int, microbatches: int) -> Table:
     table = SCHEDULES[schedule](stages, microbatches)
     ensure_valid(table)
     return table
+
+
+def forward_only(stages: int, microbatches: int) -> Table:
+    """Inference: every stage runs each micro-batch's forward as it arrives; no backward, no optimizer step."""
+    return tuple(tuple(Action(s, "F", i) for i in range(microbatches)) for s in range(stages))
 
 
 def add_communication(table: Table) -> Table:

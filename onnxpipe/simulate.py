@@ -120,6 +120,9 @@ class Simulation:
     #: Per stage, per replica: busy seconds and peak bytes.
     replica_busy_seconds: tuple[tuple[float, ...], ...] = ()
     replica_peak_memory_bytes: tuple[tuple[float, ...], ...] = ()
+    #: The longest any micro-batch takes from the start of its first stage's forward to the end of its last
+    #: stage's forward: an inference pipeline's latency.
+    latency_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The figures `onnxpipe train --json` reports, under the same names and layout, plus the timeline."""
@@ -130,6 +133,7 @@ class Simulation:
             "iteration_seconds": self.iteration_seconds,
             "samples_per_s": self.samples_per_s,
             "bubble_fraction": self.bubble_fraction,
+            "latency_seconds": self.latency_seconds,
             "stages": [
                 {
                     "stage": s,
@@ -184,7 +188,15 @@ def simulate(table: sched.Table, stages: tuple[StageCost, ...], target: Target, 
         memory=tuple(memory[w] for w in fullest),
         replica_busy_seconds=tuple(tuple(b) for b in busy_s),
         replica_peak_memory_bytes=tuple(tuple(peak_w[w] for w in ws) for ws in mine),
+        latency_seconds=_latency(events, len(stages)),
     )
+
+
+def _latency(events: tuple[Event, ...], stages: int) -> float:
+    """The longest span from a micro-batch's first forward start (stage 0) to its last forward end."""
+    start = {e.microbatch: e.start for e in events if e.kind == "F" and e.stage == 0}
+    end = {e.microbatch: e.end for e in events if e.kind == "F" and e.stage == stages - 1}
+    return max((end[i] - start[i] for i in start if i in end), default=0.0)
 
 
 class _Links:
@@ -370,6 +382,8 @@ class _Run:
         self.split = {a.stage for row in table for a in row if a.op == "W"}
         #: Per worker: the stage of the action it is running.
         self.acting = [self._lead[r] for r, _ in self.places]
+        #: Workers without a backward (inference): a forward's activations are freed when it ends.
+        self.forward_only = [not any(a.op == "B" for a in row) for row in self.rows]
         n = len(self.rows)
         self.cursor = [0] * n
         self.free_at = [0.0] * n
@@ -544,6 +558,8 @@ class _Run:
         if op == "B":  # a split stage keeps the stash for W (what W reads), as the planner's in-flight count does
             self.mem(w, end, -c.during_backward if s in self.split else -c.stash - c.during_backward)
         elif op == "W":
+            self.mem(w, end, -c.stash)
+        elif op == "F" and self.forward_only[w]:
             self.mem(w, end, -c.stash)
 
     def mem(self, w: int, t: float, delta: float) -> None:

@@ -416,7 +416,7 @@ def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]
 
 
 def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *, batch: int | None = None, microbatches: int = 1,
-              schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto") -> Plan:
+              schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto", mode: str = "training") -> Plan:
     """A priced plan for hand-given cuts, one device per stage taken in the target's order."""
     from onnxpipe.plan.evaluate import Assignment, evaluate
     from onnxpipe.pricing.problem import build_problem
@@ -427,7 +427,7 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
     if len(groups) > len(target.devices):
         raise OnnxpipeError(f"--cuts: {len(groups)} stages need {len(groups)} devices; target {target.name} has {len(target.devices)}, give fewer cuts")
     problem = build_problem(graph, costs, target, batch=batch or graph.batch * microbatches, microbatches=microbatches,
-                            schedule=schedule, optimizer=optimizer)
+                            schedule=schedule, optimizer=optimizer, mode=mode)
     devices = tuple((d.name,) for d in target.devices[: len(groups)])
     plan = evaluate(problem, Assignment(groups, devices, (recompute == "always",) * len(groups)))
     if recompute == "auto":

@@ -20,7 +20,7 @@ from onnxpipe.plan import evaluate, simulate_plan
 from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.cpsat import _NS, _Model
 from onnxpipe.plan.dp import _prefix, _stage_times, intervals
-from onnxpipe.pricing.problem import Problem, build_problem, in_flight
+from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.pricing.stage import Assignment, StageCost, activation_bytes, held, price, state_bytes
 from onnxpipe.target import Device, Link, Target
 from test_properties import RandomModel, random_models
@@ -74,7 +74,8 @@ def setup(case: RandomModel, target: Target, data: st.DataObject) -> tuple[Probl
     graph = load(case.model)
     m = data.draw(st.sampled_from((1, 2, 4)))
     problem = build_problem(graph, annotate(graph), target, batch=graph.batch * m, microbatches=m,
-                            schedule=data.draw(st.sampled_from(("gpipe", "1f1b"))), optimizer=data.draw(st.sampled_from(("sgd", "adam"))))
+                            schedule=data.draw(st.sampled_from(("gpipe", "1f1b"))), optimizer=data.draw(st.sampled_from(("sgd", "adam"))),
+                            mode=data.draw(st.sampled_from(("training", "training", "inference"))))
     return problem, min(case.stages, len(target.devices))
 
 
@@ -100,10 +101,10 @@ def test_the_dp_prices_a_stage_as_the_rule(case: RandomModel, target: Target, da
     blocks = coarsen(problem, problem.n)
     assert blocks.count == problem.n
     table = intervals(blocks)
-    flights = in_flight(problem.schedule, k, problem.microbatches)
+    flights = problem.flights(k)
     for s, cost in enumerate(costs):
         i, j = bounds[s], bounds[s + 1]
-        choice = "always" if recompute[s] else "never"
+        choice = "always" if cost.recompute else "never"
 
         def dp(capacity: float) -> float:
             shrunk = dataclasses.replace(problem, capacity=np.array([capacity]))
@@ -142,7 +143,7 @@ def test_cpsat_prices_a_layout_as_the_rule(case: RandomModel, target: Target, da
                 model.cp.Add(model.x[b][s] == int(stage_of[b] == s))
         for s in range(k):
             model.cp.Add(model.y[s][model.options.index((groups[s], replicas[s]))] == 1)
-            model.cp.Add(model.rc[s] == int(recompute[s]))
+            model.cp.Add(model.rc[s] == int(costs[s].recompute))
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.max_time_in_seconds = 30

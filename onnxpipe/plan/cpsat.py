@@ -24,7 +24,7 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.layout import Layout
-from onnxpipe.pricing.problem import Problem, in_flight
+from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, recomputed_backward, state_bytes
 
 if TYPE_CHECKING:
@@ -198,10 +198,10 @@ class _Model:
 
     def _stage_constraints(self, recompute: str) -> None:
         problem, blocks, cp, k = self.problem, self.blocks, self.cp, self.k
-        flights = in_flight(problem.schedule, k, problem.microbatches)
+        flights = problem.flights(k)
         crossing = [t for t, r in enumerate(self.received) if r is not None]
         reads = [t for t, r in enumerate(self.inputs) if r is not None]
-        state = state_bytes(blocks.params, problem.optimizer_states)
+        state = state_bytes(blocks.params, problem.optimizer_states, problem.training)
         m = problem.microbatches
         # holds[s]: the stage has parameters, so a replicated stage all-reduces gradients.
         holds = [cp.NewBoolVar("") for _ in range(k)]

@@ -18,7 +18,7 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.plan.layout import Layout
-from onnxpipe.pricing.problem import Problem, in_flight
+from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, seconds_per_microbatch, state_bytes
 
 __all__ = ["Intervals", "intervals", "solve_dp", "out_links"]
@@ -83,7 +83,7 @@ def solve_dp(
     nb = blocks.count
     counts = tuple(len(d) for d in problem.group_devices)
     total = sum(counts)
-    flights = in_flight(problem.schedule, stages, problem.microbatches)
+    flights = problem.flights(stages)
     prefix = _prefix(blocks)
     layers: list[dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray]]] = []
     start = np.full(nb + 1, np.inf)
@@ -164,7 +164,7 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
         a0, a1 = problem.allreduce_affine(g, r)
         allreduce = np.where(params > 0, a0 + a1 * params, 0.0) if r > 1 else 0.0
         keep = seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches)
-        state = state_bytes(params, problem.optimizer_states)
+        state = state_bytes(params, problem.optimizer_states, problem.training)
         acts = _span(prefix.activations)
         invalid = np.tril(np.ones_like(keep, dtype=bool))
         base = (keep, forward, state, acts, invalid)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.bounds import Bounds, lower_bound
 from onnxpipe.plan.result import Plan, SolveInfo, StagePlan
-from onnxpipe.pricing.problem import Problem
+from onnxpipe.pricing.problem import Problem, schedule_table
 from onnxpipe.pricing.stage import Assignment, StageCost, price
 from onnxpipe.simulate import simulate
 from onnxpipe.units import format_bytes
@@ -31,7 +30,8 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
     bottleneck = max(c.seconds_per_microbatch(problem.microbatches) for c in costs)
     bound = (bounds(k, replicas) if bounds is not None else lower_bound(problem, k, replicas)).seconds
     info = solver or SolveInfo(status="given", bound_seconds=bound, gap=_gap(bottleneck, bound), solve_seconds=0.0, coarsening_loss=0.0, blocks=problem.n)
-    table = sched.table(problem.schedule, k, problem.microbatches)
+    table = schedule_table(problem.mode, problem.schedule, k, problem.microbatches)
+    sim = simulate(table, costs, problem.target, schedule=problem.schedule, batch=problem.batch)
     graph = problem.graph
     return Plan(
         model=graph.source,
@@ -45,8 +45,10 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
         stages=tuple(_stage_plan(c, tuple(problem.nodes[i] for i in np.flatnonzero(stage_of == c.index))) for c in costs),
         bottleneck_seconds=bottleneck,
         lower_bound_seconds=bound,
-        iteration_seconds=simulate(table, costs, problem.target, schedule=problem.schedule, batch=problem.batch).iteration_seconds,
+        iteration_seconds=sim.iteration_seconds,
         solver=info,
+        mode=problem.mode,
+        latency_seconds=0.0 if problem.training else sim.latency_seconds,
     )
 
 

@@ -40,6 +40,7 @@ def plan(
     replicas: bool = True,
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
+    mode: str = "training",
 ) -> Plan:
     """Partition and place the graph on the target, minimising the bottleneck stage time per micro-batch.
 
@@ -48,14 +49,19 @@ def plan(
     of that many copies of the batch the graph was loaded with. `schedule="auto"` / `microbatches="auto"`
     explore (also stage counts when `stages` is None), pricing the DP's plan and every baseline in each
     configuration, and keep the plan of least predicted iteration time: no baseline of any configuration
-    explored is predicted faster."""
+    explored is predicted faster. `mode="inference"` plans a forward-only pipeline: no gradients, optimizer
+    state, stash or recompute; the bottleneck (forward and transfers) is the throughput objective and the
+    plan reports its latency."""
     devices = len(target.devices)
     _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
     exploring = schedule == "auto" or microbatches == "auto"
     k = stages or devices
     m = microbatches if isinstance(microbatches, int) else 2 * k
     batch = batch or graph.batch * m
-    base = build_problem(graph, costs, target, batch=batch, microbatches=m if batch % m == 0 else 1, schedule="1f1b" if schedule == "auto" else schedule, optimizer=optimizer)
+    base = build_problem(graph, costs, target, batch=batch, microbatches=m if batch % m == 0 else 1, schedule="1f1b" if schedule == "auto" else schedule,
+                         optimizer=optimizer, mode=mode)
+    if mode == "inference":
+        recompute = "never"  # nothing is stashed for a backward
     if not exploring:
         if batch % m:
             raise OnnxpipeError(f"batch {batch} does not split into {m} micro-batches; pick a divisor of the batch for --microbatches")
@@ -114,7 +120,8 @@ def faster_stage_count(graph: Graph, costs: Costs, target: Target, plan: Plan, r
 
 
 def _problem_of(graph: Graph, costs: Costs, target: Target, plan: Plan) -> Problem:
-    return build_problem(graph, costs, target, batch=plan.batch, microbatches=plan.microbatches, schedule=plan.schedule, optimizer=plan.optimizer)
+    return build_problem(graph, costs, target, batch=plan.batch, microbatches=plan.microbatches, schedule=plan.schedule, optimizer=plan.optimizer,
+                         mode=plan.mode)
 
 
 def _fastest_stage_count(

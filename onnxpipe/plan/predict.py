@@ -10,10 +10,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from onnxpipe import schedule as sched
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.result import Plan, StagePlan
-from onnxpipe.pricing.problem import in_flight
+from onnxpipe.pricing.problem import flights, schedule_table
 from onnxpipe.pricing.stage import StageCost, held, stage_cost
 from onnxpipe.simulate import Simulation, simulate
 from onnxpipe.target import Target, load_target
@@ -38,15 +37,15 @@ def simulate_plan(plan: Plan, target: Target, *, schedule: str | None = None, mi
     costs = stage_costs(plan, target)
     if m != plan.microbatches:
         costs = tuple(_rescaled(c, plan.microbatches / m) for c in costs)
-    return simulate(sched.table(name, len(plan.stages), m), costs, target, schedule=name, batch=plan.batch, background=background)
+    return simulate(schedule_table(plan.mode, name, len(plan.stages), m), costs, target, schedule=name, batch=plan.batch, background=background)
 
 
 def stage_costs(plan: Plan, target: Target) -> tuple[StageCost, ...]:
     """Each stage's cost at the plan's micro-batch size, from the figures the plan records."""
-    flights = in_flight(plan.schedule, len(plan.stages), plan.microbatches)
+    held_flights = flights(plan.mode, plan.schedule, len(plan.stages), plan.microbatches)
     out = []
     for stage in plan.stages:
-        stash, during = _stash(stage, held(max(flights[stage.index], 1), len(stage.devices)))
+        stash, during = _stash(stage, held(max(held_flights[stage.index], 1), len(stage.devices)))
         out.append(stage_cost(
             target,
             index=stage.index,

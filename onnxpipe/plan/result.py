@@ -130,6 +130,11 @@ class Plan:
     iteration_seconds: float
     solver: SolveInfo
     explored: tuple[Candidate, ...] = field(default=())
+    #: "training" or "inference" (forward only: no gradients, optimizer state or stash; the bottleneck is the
+    #: throughput objective).
+    mode: str = "training"
+    #: Predicted seconds one micro-batch takes through the whole pipeline (inference; 0 for training plans).
+    latency_seconds: float = 0.0
 
     @property
     def bottleneck_stage(self) -> int:

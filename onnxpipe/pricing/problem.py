@@ -20,13 +20,16 @@ from onnxpipe.graph import Graph
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.target import Target
 
-__all__ = ["OPTIMIZER_STATES", "Problem", "build_problem", "in_flight"]
+__all__ = ["OPTIMIZER_STATES", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
 
 #: Ops whose gradient node makes the input and the weight gradients at once (onnxruntime-training 1.19.2;
 #: `train.splitgrad`): a split backward runs them whole in B, leaving W nothing of theirs.
 FUSED_GRADIENT_OPS = frozenset({"LayerNormalization", "BatchNormalization", "LSTM"})
 #: Optimizer state per parameter byte.
 OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
+#: "training": forward, backward and an optimizer step per iteration; "inference": forward only (no
+#: gradients, optimizer state, stash or all-reduce), micro-batches streamed through the stages.
+MODES = ("training", "inference")
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +80,12 @@ class Problem:
     #: zeros on targets without `corun_bandwidth`.
     corun_forward: np.ndarray
     corun_backward: np.ndarray
+    #: One of MODES; in inference the backward arrays are zeros.
+    mode: str = "training"
+
+    @property
+    def training(self) -> bool:
+        return self.mode == "training"
 
     @property
     def n(self) -> int:
@@ -102,10 +111,18 @@ class Problem:
         keep.update(changes)
         if keep["batch"] == self.batch and keep["microbatches"] == self.microbatches:
             return dataclasses.replace(self, schedule=keep["schedule"], optimizer=keep["optimizer"])
-        return build_problem(self.graph, self.costs, self.target, dtype=self.dtype, **keep)  # type: ignore[arg-type]
+        return build_problem(self.graph, self.costs, self.target, dtype=self.dtype, mode=self.mode, **keep)  # type: ignore[arg-type]
+
+    def flights(self, stages: int) -> tuple[int, ...]:
+        """Micro-batches whose activations each of `stages` stages holds at once: the schedule's in flight
+        in training; in inference one, the micro-batch its forward is computing."""
+        return flights(self.mode, self.schedule, stages, self.microbatches)
 
     def allreduce_affine(self, group: int, replicas: int) -> tuple[float, float]:
-        """(seconds, seconds per byte) of an all-reduce over `replicas` devices of a group."""
+        """(seconds, seconds per byte) of an all-reduce of gradients over `replicas` devices of a group
+        (none in inference)."""
+        if not self.training:
+            return 0.0, 0.0
         devices = self.group_devices[group][:replicas]
         one = allreduce_seconds(self.target, devices, 1.0)
         slope = allreduce_seconds(self.target, devices, 2.0) - one
@@ -117,6 +134,17 @@ def in_flight(schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
     """Micro-batches whose activations each stage holds at once under a schedule."""
     table = schedules.table(schedule, stages, microbatches)
     return tuple(schedules.in_flight(table[row]) for row in schedules.stage_rows(table))
+
+
+def flights(mode: str, schedule: str, stages: int, microbatches: int) -> tuple[int, ...]:
+    """Micro-batches whose activations each stage holds at once: the schedule's in flight in training; in
+    inference one, the micro-batch its forward is computing."""
+    return in_flight(schedule, stages, microbatches) if mode == "training" else (1,) * stages
+
+
+def schedule_table(mode: str, schedule: str, stages: int, microbatches: int) -> schedules.Table:
+    """The actions of one iteration: the named training schedule, or in inference forwards only."""
+    return schedules.table(schedule, stages, microbatches) if mode == "training" else schedules.forward_only(stages, microbatches)
 
 
 def dominant_dtype(graph: Graph) -> str:
@@ -139,9 +167,12 @@ def build_problem(
     schedule: str = "1f1b",
     optimizer: str = "adam",
     dtype: str | None = None,
+    mode: str = "training",
 ) -> Problem:
     """Scale the graph's costs to one micro-batch and tabulate them per device group."""
     _ensure_options(graph, batch, microbatches, schedule, optimizer)
+    if mode not in MODES:
+        raise OnnxpipeError(f"unknown mode '{mode}'; choose one of: {', '.join(MODES)}")
     nodes = graph.compute_nodes
     missing = [n for n in nodes if n not in costs.nodes]
     if missing:
@@ -192,8 +223,8 @@ def build_problem(
         groups=tuple(groups),
         group_devices=tuple(tuple(members[g]) for g in groups),
         forward=forward,
-        backward=backward,
-        weight=backward * weighted / 2,
+        backward=backward if mode == "training" else np.zeros_like(backward),
+        weight=backward * weighted / 2 if mode == "training" else np.zeros_like(backward),
         params=params,
         activations=activations,
         tensor_names=names,
@@ -205,7 +236,8 @@ def build_problem(
         capacity=np.array([d.memory_bytes for d in firsts], dtype=float),
         memory_bandwidth=np.array([d.memory_bandwidth for d in firsts], dtype=float),
         corun_forward=corun_forward,
-        corun_backward=2 * corun_forward,
+        corun_backward=2 * corun_forward if mode == "training" else np.zeros_like(corun_forward),
+        mode=mode,
     )
 
 

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from onnxpipe.pricing.problem import Problem, in_flight
+from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.timemodel import allreduce_seconds
 from onnxpipe.target import Target
 
@@ -56,10 +56,10 @@ def held(flight: int, replicas: int) -> int:
     return -(-flight // replicas)
 
 
-def state_bytes(params: Num, optimizer_states: float) -> Num:
-    """Bytes held all the time for `params` bytes of parameters: themselves, their gradients, and the
-    optimizer's state (`optimizer_states` bytes per parameter byte)."""
-    return params * (2.0 + optimizer_states)
+def state_bytes(params: Num, optimizer_states: float, training: bool = True) -> Num:
+    """Bytes held all the time for `params` bytes of parameters: themselves, and in training their
+    gradients and the optimizer's state (`optimizer_states` bytes per parameter byte)."""
+    return params * (2.0 + optimizer_states) if training else params * 1.0
 
 
 def activation_bytes(holds: int, activations: Num, stash: Num, recompute: bool) -> Num:
@@ -172,13 +172,13 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
     k = len(assignment.stages)
     groups = [np.array([problem.group_of(d) for d in devs]) for devs in assignment.devices]
     comm = _communication(problem, stage_of, groups, k)
-    flights = in_flight(problem.schedule, k, problem.microbatches)
-    tied = _tied(problem, stage_of, k)
+    flights = problem.flights(k)
+    tied = _tied(problem, stage_of, k) if problem.training else [((), 0.0)] * k
     costs = []
     for s in range(k):
         mask = stage_of == s
         r = len(groups[s])
-        recompute = assignment.recompute[s]
+        recompute = assignment.recompute[s] and problem.training  # inference stashes nothing for a backward
         forward = float(max(problem.forward[g, mask].sum() for g in groups[s])) / r
         backward = recomputed_backward(forward, float(max(problem.backward[g, mask].sum() for g in groups[s])) / r, recompute)
         weight = float(max(problem.weight[g, mask].sum() for g in groups[s])) / r
@@ -202,8 +202,8 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
             out_seconds=float(comm.out_seconds[s]),
             memory=Memory(
                 parameters=params,
-                gradients=params,
-                optimizer=params * problem.optimizer_states,
+                gradients=params if problem.training else 0.0,
+                optimizer=params * problem.optimizer_states if problem.training else 0.0,
                 activations=activation_bytes(held(flights[s], r), activations, stash, recompute),
                 capacity=float(min(problem.capacity[g] for g in groups[s])),
             ),

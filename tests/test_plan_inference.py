@@ -1,0 +1,92 @@
+"""Inference mode: a forward-only pipeline priced and simulated as it runs (no backward, gradients,
+optimizer state, stash or all-reduce), the bottleneck as the throughput objective and the latency reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onnxpipe.cost import annotate
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import load
+from onnxpipe.models import build
+from onnxpipe.plan import Plan, build_problem, lower_bound, plan, simulate_plan
+from onnxpipe.target import load_target
+
+
+@pytest.fixture(scope="module")
+def planned() -> tuple[Plan, Plan]:
+    graph = load(build("gpt2-tiny"))
+    costs = annotate(graph)
+    target = load_target("fpga4")
+    options = dict(stages=2, microbatches=4, time_limit=10)
+    return plan(graph, costs, target, mode="inference", **options), plan(graph, costs, target, **options)  # type: ignore[arg-type]
+
+
+def test_an_inference_plan_prices_the_forward_only(planned: tuple[Plan, Plan]) -> None:
+    inference, training = planned
+    assert (inference.mode, training.mode) == ("inference", "training")
+    for s in inference.stages:
+        assert s.backward_seconds == 0 and s.allreduce_seconds == 0 and not s.recompute
+        assert s.memory.gradients == 0 and s.memory.optimizer == 0 and s.memory.parameters > 0
+        # One micro-batch's activations: its stash is what it computes, held while its forward runs.
+        assert s.memory.activations == pytest.approx(s.stash_bytes)
+    assert inference.bottleneck_seconds == pytest.approx(max(s.forward_seconds + s.comm_in_seconds + s.comm_out_seconds for s in inference.stages))
+    assert inference.lower_bound_seconds <= inference.bottleneck_seconds * (1 + 1e-9)
+    assert inference.solver.status == "OPTIMAL"
+    assert inference.bottleneck_seconds < training.bottleneck_seconds
+    assert inference.iteration_seconds < training.iteration_seconds
+    assert training.latency_seconds == 0.0
+
+
+def test_an_inference_plan_simulates_forwards_and_reports_its_latency(planned: tuple[Plan, Plan]) -> None:
+    inference, _ = planned
+    sim = simulate_plan(inference, load_target("fpga4"))
+    assert {e.kind for e in sim.events} <= {"F", "SEND", "RECV"}
+    assert sum(e.kind == "F" for e in sim.events) == len(inference.stages) * inference.microbatches
+    assert sim.iteration_seconds == pytest.approx(inference.iteration_seconds, rel=1e-9)
+    assert sim.latency_seconds == pytest.approx(inference.latency_seconds, rel=1e-9)
+    # A micro-batch passes through every stage's forward (one replica each), at least.
+    assert inference.latency_seconds >= sum(s.forward_seconds * len(s.devices) for s in inference.stages)
+    # Each stage peaks at its parameters plus one micro-batch's activations, as planned.
+    assert sim.peak_memory_bytes == pytest.approx(tuple(s.memory.total for s in inference.stages), rel=1e-9)
+
+
+def test_the_mode_round_trips_and_old_plans_are_training(planned: tuple[Plan, Plan], tmp_path: Path) -> None:
+    inference, _ = planned
+    inference.save(tmp_path / "plan.json")
+    again = Plan.read(tmp_path / "plan.json")
+    assert (again.mode, again.latency_seconds) == ("inference", inference.latency_seconds)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["mode"], data["latency_seconds"]
+    assert Plan.from_json(data).mode == "training"
+
+
+def test_an_unknown_mode_is_one_clear_error(tmp_path: Path) -> None:
+    graph = load(build("mlp"))
+    with pytest.raises(OnnxpipeError, match="unknown mode 'serving'; choose one of: training, inference"):
+        build_problem(graph, annotate(graph), load_target("fpga4"), batch=graph.batch, microbatches=1, mode="serving")
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes(build("mlp").SerializeToString())
+    run = subprocess.run([sys.executable, "-m", "onnxpipe", "plan", str(model), "--target", "fpga4", "--stages", "2", "--mode", "serving"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "unknown mode 'serving'" in run.stderr
+
+
+def test_the_cli_plans_an_inference_pipeline(tmp_path: Path) -> None:
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes(build("mlp").SerializeToString())
+    run = subprocess.run([sys.executable, "-m", "onnxpipe", "plan", str(model), "--target", "fpga4", "--stages", "2", "--mode", "inference",
+                          "-o", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", **__import__("os").environ})
+    assert run.returncode == 0, run.stderr
+    assert "inference (forward only):" in run.stdout and "latency" in run.stdout
+    written = Plan.read(tmp_path / "plan.json")
+    assert written.mode == "inference" and written.latency_seconds > 0
+    bound = lower_bound(build_problem(load(str(model)), annotate(load(str(model))), load_target("fpga4"), batch=written.batch,
+                                      microbatches=written.microbatches, mode="inference"), 2)
+    assert bound.seconds == pytest.approx(written.lower_bound_seconds, rel=1e-9)
