@@ -53,17 +53,23 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
 
 
 def fits(plan: Plan) -> bool:
-    """Every device holds what its stage needs."""
-    return all(s.memory.total <= s.memory.capacity for s in plan.stages)
+    """Every device holds what its stages need."""
+    return not overflow(plan)
 
 
 def overflow(plan: Plan) -> str:
-    """Why a plan does not fit, e.g. 'stage 0 needs 9.1 GiB > 8 GiB'; empty when it fits."""
-    over = [s for s in plan.stages if s.memory.total > s.memory.capacity]
+    """Why a plan does not fit, e.g. 'stage 0 needs 9.1 GiB > 8 GiB'; empty when it fits. A device holding
+    several stages needs their peaks together."""
+    need: dict[tuple[str, ...], float] = {}
+    for s in plan.stages:
+        need[s.devices] = need.get(s.devices, 0.0) + s.memory.total
+    over = [s for s in plan.stages if need[s.devices] > s.memory.capacity]
     if not over:
         return ""
-    s = max(over, key=lambda s: s.memory.total / s.memory.capacity)
-    return f"stage {s.index} needs {format_bytes(s.memory.total)} > {format_bytes(s.memory.capacity)}"
+    s = max(over, key=lambda s: need[s.devices] / s.memory.capacity)
+    shared = [t.index for t in plan.stages if t.devices == s.devices]
+    who = f"stage {s.index}" if len(shared) == 1 else f"stages {', '.join(map(str, shared))} on one device"
+    return f"{who} needs {format_bytes(need[s.devices])} > {format_bytes(s.memory.capacity)}"
 
 
 def _gap(objective: float, bound: float) -> float:
@@ -87,15 +93,19 @@ def _ensure_assignment(problem: Problem, assignment: Assignment) -> np.ndarray:
             stage_of[position[name]] = s
     if (stage_of < 0).any():
         raise OnnxpipeError(f"node '{problem.nodes[int(np.argmin(stage_of))]}' is in no stage; every compute node needs one")
-    used: set[str] = set()
+    # A schedule may give a device several stages (`schedule.stage_rows`): those stages share its devices.
+    rows = sched.stage_rows(sched.table(problem.schedule, k, problem.microbatches))
+    used: dict[str, int] = {}
     for s, devs in enumerate(assignment.devices):
         if not devs:
             raise OnnxpipeError(f"stage {s} has no device")
         for d in devs:
             problem.group_of(d)
-            if d in used:
+            if used.setdefault(d, rows[s]) != rows[s]:
                 raise OnnxpipeError(f"device '{d}' runs two stages; give each stage its own devices")
-            used.add(d)
+        first = rows.index(rows[s])
+        if assignment.devices[first] != devs:
+            raise OnnxpipeError(f"stages {first} and {s} share a device under {problem.schedule}; give them the same devices")
     for t, p in enumerate(problem.tensor_producer):
         if p >= 0 and (stage_of[problem.tensor_consumers[t]] < stage_of[p]).any():
             raise OnnxpipeError(

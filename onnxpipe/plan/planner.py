@@ -14,11 +14,13 @@ from onnxpipe.graph import Graph, load
 from onnxpipe.initializers import TieChoice
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds
+from onnxpipe.plan.evaluate import fits
 from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices
 from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.plan.result import Plan
 from onnxpipe.plan.solve import solve
-from onnxpipe.schedule import SCHEDULES, ensure_plannable
+from onnxpipe.plan.virtual import plan_virtual
+from onnxpipe.schedule import SCHEDULES, TABLES, ensure_known, virtual
 from onnxpipe.target import Target, load_target
 
 __all__ = ["plan", "plan_model", "compare", "faster_stage_count"]
@@ -51,9 +53,19 @@ def plan(
     configuration, and keep the plan of least predicted iteration time: no baseline of any configuration
     explored is predicted faster. `mode="inference"` plans a forward-only pipeline: no gradients, optimizer
     state, stash or recompute; the bottleneck (forward and transfers) is the throughput objective and the
-    plan reports its latency."""
+    plan reports its latency. A schedule that gives each device several stages (interleaved, zb-v) is
+    planned by `plan.virtual` (`stages` counts them all, default v per device); auto prices those too, at
+    the winner's devices and micro-batches."""
     devices = len(target.devices)
     _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
+    if schedule != "auto" and virtual(schedule) > 1:
+        if mode != "training":
+            raise OnnxpipeError(f"--schedule {schedule} orders a training step; plan --mode {mode} with the default schedule")
+        if microbatches == "auto":
+            raise OnnxpipeError(f"--microbatches auto explores the schedules of one stage per device; pass a count with --schedule {schedule}")
+        m = microbatches or 2 * ((stages or virtual(schedule) * devices) // virtual(schedule))
+        return plan_virtual(graph, costs, target, schedule=schedule, stages=stages, batch=batch or graph.batch * m, microbatches=m,
+                            optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=progress)
     exploring = schedule == "auto" or microbatches == "auto"
     k = stages or devices
     m = microbatches if isinstance(microbatches, int) else 2 * k
@@ -81,7 +93,32 @@ def plan(
         first = candidates[0].note if candidates else "nothing to try"
         raise OnnxpipeError(f"no explored configuration fits ({first}); try --recompute always, a target with more memory, or a larger batch")
     best = solve(winner, winner_stages, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, also=priced, by_iteration=True)
+    if schedule == "auto" and mode == "training":
+        more = _several_per_device(graph, costs, target, best, recompute=recompute, time_limit=time_limit, progress=progress)
+        fastest = min([best, *(p for p in more if fits(p))], key=lambda p: p.iteration_seconds)
+        return dataclasses.replace(fastest, explored=(*candidates, *(candidate(p) for p in more)))
     return dataclasses.replace(best, explored=candidates)
+
+
+def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, *, recompute: str, time_limit: float,
+                        progress: Callable[[str], None] | None) -> list[Plan]:
+    """The schedules that give each device several stages (interleaved 1F1B, ZB-V), planned on as many devices as
+    `best` uses at its micro-batch count, where they apply (one device type, no replicas, micro-batches that fit
+    the table)."""
+    k = len(best.stages)
+    if len(target.groups()) > 1 or any(len(s.devices) > 1 for s in best.stages):
+        return []
+    found = []
+    for name, (_, v) in TABLES.items():
+        if v > 1 and (name != "interleaved" or best.microbatches % k == 0):
+            if progress:
+                progress(f"exploring {name}, {best.microbatches} micro-batches, {v * k} stages on {k} devices")
+            try:
+                found.append(plan_virtual(graph, costs, target, schedule=name, stages=v * k, batch=best.batch, microbatches=best.microbatches,
+                                          optimizer=best.optimizer, recompute=recompute, time_limit=time_limit, progress=progress))
+            except OnnxpipeError:  # no cut into v x k stages fits (or there are fewer nodes): the others stand
+                continue
+    return found
 
 
 def plan_model(
@@ -144,15 +181,16 @@ def _fastest_stage_count(
 
 
 def _ensure_options(stages: int | None, devices: int, microbatches: int | str | None, schedule: str, recompute: str, time_limit: float) -> None:
+    ensure_known(schedule, ("auto",))
+    per_device = 1 if schedule == "auto" else virtual(schedule)
     if stages is not None and stages < 1:
         raise OnnxpipeError(f"--stages {stages}: need at least 1 stage")
-    if stages is not None and stages > devices:
-        raise OnnxpipeError(f"--stages {stages} is more than the target's {devices} devices; use at most {devices} stages or a larger target")
+    if stages is not None and stages > devices * per_device:
+        raise OnnxpipeError(f"--stages {stages} is more than the target's {devices} devices; use at most {devices * per_device} stages or a larger target")
     if isinstance(microbatches, str) and microbatches != "auto":
         raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
     if isinstance(microbatches, int) and microbatches < 1:
         raise OnnxpipeError(f"--microbatches {microbatches}: need at least 1 micro-batch")
-    ensure_plannable(schedule, ("auto",))
     if recompute not in _RECOMPUTE:
         raise OnnxpipeError(f"--recompute {recompute!r}: choose one of {', '.join(_RECOMPUTE)}")
     if time_limit <= 0:
