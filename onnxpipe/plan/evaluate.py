@@ -15,6 +15,7 @@ from onnxpipe.plan.bounds import Bounds, lower_bound
 from onnxpipe.plan.result import Plan, SolveInfo, StagePlan
 from onnxpipe.pricing.problem import Problem, schedule_table
 from onnxpipe.pricing.stage import Assignment, StageCost, price
+from onnxpipe.schedule import stage_rows
 from onnxpipe.simulate import simulate
 from onnxpipe.units import format_bytes
 
@@ -94,7 +95,7 @@ def _ensure_assignment(problem: Problem, assignment: Assignment) -> np.ndarray:
     if (stage_of < 0).any():
         raise OnnxpipeError(f"node '{problem.nodes[int(np.argmin(stage_of))]}' is in no stage; every compute node needs one")
     # A schedule may give a device several stages (`schedule.stage_rows`): those stages share its devices.
-    rows = sched.stage_rows(sched.table(problem.schedule, k, problem.microbatches))
+    rows = stage_rows(schedule_table(problem.mode, problem.schedule, k, problem.microbatches))
     used: dict[str, int] = {}
     for s, devs in enumerate(assignment.devices):
         if not devs:
