@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from onnxpipe.calibrate import calibrate, units
@@ -55,6 +55,7 @@ def main() -> None:
         models = {p.stem.removesuffix(f"-{args.mode}"): json.loads(p.read_text()) for p in sorted(measured.glob(f"*-{args.mode}.json"))}
         loaded = {name: _prepare(measured, name, data, Path(tmp), target, device) for name, data in models.items()}
         rows = []
+        spread: dict[str, dict[str, float]] = {}
         for name, (graph, costs, imported, blocks) in loaded.items():
             truth = [b["fwd_ms"] + b["bwd_ms"] for b in models[name]["blocks"]]
             others = [units(other, loaded[other][2]) for other in loaded if other != name]
@@ -67,7 +68,8 @@ def main() -> None:
             }
             for way, predicted in ways.items():
                 rows.append((name, way, *_metrics(predicted, truth)))
-    table = _table(rows, target.name, args.mode)
+            spread[name] = _sensitivity(graph, costs, blocks, device, truth)
+    table = _table(rows, target.name, args.mode) + _sensitivity_lines(spread)
     print(table)
     if not args.no_doc:
         write_section(NAME, table)
@@ -141,6 +143,35 @@ def _patterns(label: str, nodes: list[str]) -> list[str]:
 
 def _block_ms(graph: Graph, costs: Costs, blocks: list[list[str]], device: Device) -> list[float]:
     return [1e3 * sum(node_seconds(device, costs.nodes[n]) + node_seconds(device, costs.nodes[n], backward=True) for n in block) for block in blocks]
+
+
+def _sensitivity(graph: Graph, costs: Costs, blocks: list[list[str]], device: Device, truth: list[float]) -> dict[str, float]:
+    """The analytic prices' worst k ratio with each kernel-model parameter and op_overhead scaled by 0.75 and by 1.33."""
+    worst: dict[str, float] = {}
+    knobs = [f.name for f in fields(KernelModel)] + ["op_overhead"]
+    for knob in knobs:
+        for scale in (0.75, 1.33):
+            if knob == "op_overhead":
+                varied = replace(device, op_overhead=device.op_overhead * scale)
+            else:
+                value = getattr(device.kernels, knob) * scale
+                if knob == "memory_efficiency":
+                    value = min(1.0, value)
+                if knob == "winograd_speedup":
+                    value = max(1.0, value)
+                varied = replace(device, kernels=replace(device.kernels, **{knob: value}))
+            _, _, ratios = _metrics(_block_ms(graph, costs, blocks, varied), truth)
+            worst[f"{knob} x{scale}"] = max(ratios)
+    return worst
+
+
+def _sensitivity_lines(spread: dict[str, dict[str, float]]) -> str:
+    lines = ["", "Sensitivity of (a): the worst k ratio when one of the gpu kernel model's values (or op_overhead) is scaled by",
+             "0.75 or 1.33 (memory_efficiency capped at 1, winograd_speedup floored at 1):", ""]
+    for name, worst in spread.items():
+        over = {k: v for k, v in worst.items() if v > 1.05 + 1e-9}
+        lines.append(f"- {name}: worst {max(worst.values()):.3f}" + (f"; above 1.05 with {', '.join(f'{k} ({v:.3f})' for k, v in over.items())}" if over else "; all within 1.05"))
+    return "\n".join(lines) + "\n"
 
 
 def partition(costs: list[float], k: int) -> tuple[list[tuple[int, int]], float]:
