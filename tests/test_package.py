@@ -27,7 +27,7 @@ def test_wheel_ships_targets_and_models(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     where, targets, nodes = run.stdout.splitlines()
     assert where.startswith(str(site))
-    assert targets.split()[0] == "fpga4,gpu4,hetero,cpu2,cpu4" and targets.split()[1:] == ["4", "4", "4", "2", "4"]
+    assert targets.split()[0] == "fpga4,gpu4,h100x8,hetero,cpu2,cpu4" and targets.split()[1:] == ["4", "4", "8", "4", "2", "4"]
     assert int(nodes) > 100
     cli = subprocess.run([sys.executable, "-m", "onnxpipe", "targets", "show", "hetero"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
