@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Callable
@@ -73,7 +74,7 @@ def parse_dims(values: list[str] | None) -> dict[str, int]:
     dims: dict[str, int] = {}
     for item in values or []:
         name, sep, value = item.partition("=")
-        if not sep or not name or not value.strip().isdigit():
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
             raise OnnxpipeError(f"--dim {item!r}: expected NAME=VALUE with a positive integer, e.g. --dim batch=8")
         dims[name.strip()] = int(value)
     return dims
@@ -106,6 +107,19 @@ def print_shared(shared: Any) -> None:
 
     if shared:
         console.print(escape(describe(shared)), highlight=False)
+
+
+def ensure_counts(**counts: tuple[int | None, int]) -> None:
+    """Each `flag=(value, least)` given on the command line is at least `least` (flag names with _ for -)."""
+    for flag, (value, least) in counts.items():
+        if value is not None and value < least:
+            raise OnnxpipeError(f"--{flag.replace('_', '-')} {value}: must be {least} or more")
+
+
+def ensure_finite(flag: str, value: float | None, *, positive: bool = True) -> None:
+    """A number given on the command line is finite (and positive)."""
+    if value is not None and (not math.isfinite(value) or (positive and value <= 0) or value < 0):
+        raise OnnxpipeError(f"{flag} {value}: must be a finite number {'above 0' if positive else '0 or more'}")
 
 
 # -- onnxpipe models: the model zoo ------------------------------------------------------------
@@ -362,6 +376,8 @@ def split(
     from onnxpipe.split import split as split_model
     from onnxpipe.units import format_bytes
 
+    ensure_counts(stages=(stages, 1), batch=(batch, 1), microbatches=(microbatches, 1))
+    ensure_finite("--time-limit", time_limit)
     options = {key: value for key, value in {"batch": batch, "microbatches": microbatches, "schedule": schedule, "optimizer": optimizer,
                                               "recompute": recompute, "mode": mode}.items() if value is not None}
     if not plan_file and not target:
@@ -442,6 +458,7 @@ def run(
     """Run a stage directory as an inference pipeline on onnxruntime."""
     from onnxpipe.chain import read_npz, run_pipeline, write_npz
 
+    ensure_counts(microbatches=(microbatches, 1))
     outputs = run_pipeline(directory, read_npz(inputs), microbatches=microbatches)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
@@ -500,10 +517,12 @@ def plan_command(
 
     if microbatches is None or microbatches == "auto":
         mb: int | str | None = microbatches
-    elif microbatches.isdigit():
+    elif microbatches.isdigit() and int(microbatches) > 0:
         mb = int(microbatches)
     else:
         raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
+    ensure_counts(stages=(stages, 1), batch=(batch, 1))
+    ensure_finite("--time-limit", time_limit)
     with console.status("planning ...") as status:
         graph, costs, tgt, plan = plan_model(
             model, target, dims=parse_dims(dim), profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
@@ -589,6 +608,9 @@ def train(
     from onnxpipe.train.optimizer import OptimizerConfig
     from onnxpipe.units import format_bytes
 
+    ensure_counts(stages=(stages, 1), batch=(batch, 1), microbatches=(microbatches, 1), steps=(steps, 1), checkpoint_every=(checkpoint_every, 0))
+    ensure_finite("--lr", lr)
+    ensure_finite("--momentum", momentum, positive=False)
     loss_spec = None
     if loss or labels:
         if not (loss and labels):
@@ -652,7 +674,7 @@ def simulate_command(
     plan_path: str = typer.Argument(..., metavar="PLAN|DIR", help="A plan JSON or a stage directory (holding plan.json)."),
     target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
     schedule: str = typer.Option(None, "--schedule", help="Simulate another schedule: gpipe, 1f1b, zb-h1, or interleaved / zb-v with each device running the stages the schedule places on it (default: the plan's)."),
-    microbatches: int = typer.Option(None, "--microbatches", min=1, help="Micro-batches for the same global batch (default: the plan's)."),
+    microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches for the same global batch (default: the plan's)."),
     json_path: str = typer.Option(None, "--json", help="Write the figures and the timeline as JSON (the names `train --json` uses)."),
 ) -> None:
     """Predict one training iteration of a plan: per-device busy and idle time, peak memory, throughput, bubble."""
@@ -664,6 +686,7 @@ def simulate_command(
     from onnxpipe.fileio import write_json
     from onnxpipe.units import format_bytes
 
+    ensure_counts(microbatches=(microbatches, 1))
     plan = read_plan(plan_path)
     sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
     ms = 1e3
@@ -693,12 +716,13 @@ def report_command(
     target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
     model: str = typer.Option(None, "--model", help="The .onnx the plan was made for (default: the plan's model path, if it exists)."),
     schedule: str = typer.Option(None, "--schedule", help="Draw another schedule: gpipe, 1f1b, zb-h1, interleaved or zb-v (default: the plan's)."),
-    microbatches: int = typer.Option(None, "--microbatches", min=1, help="Micro-batches for the same global batch (default: the plan's)."),
+    microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches for the same global batch (default: the plan's)."),
 ) -> None:
     """Write one HTML page about a plan: stage table, schedule Gantt chart, memory per device, the model by stage."""
     from onnxpipe import report
     from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
 
+    ensure_counts(microbatches=(microbatches, 1))
     plan = read_plan(plan_path)
     sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
     with console.status("drawing ..."):

@@ -5,14 +5,19 @@ Plain JSON on purpose: a runtime without onnxpipe chains the stages by reading i
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.records import RecordError, from_json
 
 __all__ = ["MANIFEST_FORMAT", "StageInput", "StageOutput", "Stage", "SharedInitializer", "Manifest"]
 
@@ -89,44 +94,17 @@ class Manifest:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], origin: str = "<manifest>") -> Manifest:
-        if data.get("format") != MANIFEST_FORMAT:
-            raise OnnxpipeError(f"{origin}: not an onnxpipe manifest (format {data.get('format')!r}); write the directory with `onnxpipe split`")
+    def from_json(cls, data: object, origin: str = "<manifest>") -> Manifest:
+        """The manifest in `data`, every field's type and value checked (an OnnxpipeError naming the field)."""
+        found = data.get("format") if isinstance(data, Mapping) else None
+        if found != MANIFEST_FORMAT:
+            raise OnnxpipeError(f"{origin}: not an onnxpipe manifest (format {found!r}); write the directory with `onnxpipe split`")
         try:
-            def inp(d: Mapping[str, Any]) -> StageInput:
-                return StageInput(d["name"], d["dtype"], tuple(d["shape"]), d["source"])
-
-            def out(d: Mapping[str, Any]) -> StageOutput:
-                return StageOutput(d["name"], d["dtype"], tuple(d["shape"]), tuple(d["consumers"]))
-
-            stages = tuple(
-                Stage(
-                    index=s["index"],
-                    file=s["file"],
-                    devices=tuple(s["devices"]),
-                    inputs=tuple(inp(i) for i in s["inputs"]),
-                    outputs=tuple(out(o) for o in s["outputs"]),
-                    parameters=tuple(s["parameters"]),
-                    recompute=bool(s["recompute"]),
-                    nodes=int(s.get("nodes", 0)),
-                    parameter_bytes=int(s.get("parameter_bytes", 0)),
-                    file_bytes=int(s.get("file_bytes", 0)),
-                    data_file=s.get("data_file"),
-                )
-                for s in data["stages"]
-            )
-            return cls(
-                model=data["model"],
-                target=data["target"],
-                inputs=tuple(inp(i) for i in data["inputs"]),
-                outputs=tuple(out(o) for o in data["outputs"]),
-                stages=stages,
-                shared=tuple(SharedInitializer(s["name"], tuple(s["stages"])) for s in data["shared"]),
-                loss=data.get("loss"),
-                untied=tuple(data.get("untied", ())),
-            )
-        except (KeyError, TypeError) as exc:
-            raise OnnxpipeError(f"{origin}: manifest is missing or has a bad field ({exc}); rewrite the directory with `onnxpipe split`") from exc
+            manifest = from_json(cls, data)
+            _ensure_values(manifest)
+        except RecordError as exc:
+            raise OnnxpipeError(f"{origin}: {exc}; rewrite the directory with `onnxpipe split`") from None
+        return manifest
 
     @classmethod
     def read(cls, directory: str | os.PathLike) -> Manifest:
@@ -135,7 +113,7 @@ class Manifest:
             raise OnnxpipeError(f"{directory}: no manifest.json; pass a directory written by `onnxpipe split`")
         try:
             data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise OnnxpipeError(f"{path}: not valid JSON ({exc}); rewrite the directory with `onnxpipe split`") from exc
         manifest = cls.from_json(data, str(path))
         _ensure_consistent(manifest, Path(directory))
@@ -144,6 +122,47 @@ class Manifest:
     def write(self, directory: str | os.PathLike) -> None:
         path = Path(directory) / "manifest.json"
         path.write_text(json.dumps(self.to_json(), indent=2))
+
+
+#: Bytes one tensor named in a manifest may have: far beyond any real model, short of what numpy refuses to allocate.
+_MAX_TENSOR_BYTES = 2**40
+
+
+@functools.cache
+def _dtype_names() -> frozenset[str]:
+    """The numpy names of ONNX's tensor types (what `split` writes), plus "unknown" for untyped values."""
+    import onnx
+    from onnx import helper
+
+    names = {"unknown"}
+    for code in onnx.TensorProto.DataType.values():
+        try:
+            names.add(np.dtype(helper.tensor_dtype_to_np_dtype(code)).name)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return frozenset(names)
+
+
+def _ensure_values(manifest: Manifest) -> None:
+    """Values the types alone do not rule out: dtypes, shapes, sources and consumers."""
+    tensors = [("inputs", manifest.inputs), ("outputs", manifest.outputs),
+               *((f"stages[{i}].inputs", s.inputs) for i, s in enumerate(manifest.stages)),
+               *((f"stages[{i}].outputs", s.outputs) for i, s in enumerate(manifest.stages))]
+    for where, specs in tensors:
+        for k, spec in enumerate(specs):
+            path = f"{where}[{k}]"
+            if spec.dtype not in _dtype_names():
+                raise RecordError(f"{path}.dtype: {spec.dtype!r} is no ONNX tensor type")
+            if any(d < 0 for d in spec.shape):
+                raise RecordError(f"{path}.shape: {list(spec.shape)} has a negative dim")
+            if spec.dtype != "unknown" and math.prod(spec.shape) * np.dtype(spec.dtype).itemsize > _MAX_TENSOR_BYTES:
+                raise RecordError(f"{path}.shape: {list(spec.shape)} is larger than any tensor onnxpipe handles")
+            ends = (spec.source,) if isinstance(spec, StageInput) else spec.consumers
+            if any(isinstance(e, str) and e != "model" or isinstance(e, int) and e < 0 for e in ends):
+                raise RecordError(f"{path}: {'source' if isinstance(spec, StageInput) else 'consumers'} must be \"model\" or stage indices")
+    for i, stage in enumerate(manifest.stages):
+        if min(stage.nodes, stage.parameter_bytes, stage.file_bytes) < 0:
+            raise RecordError(f"stages[{i}]: nodes, parameter_bytes and file_bytes must not be negative")
 
 
 def _ensure_consistent(manifest: Manifest, directory: Path) -> None:

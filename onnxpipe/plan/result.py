@@ -12,6 +12,7 @@ from typing import Any
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.pricing.stage import Memory, seconds_per_microbatch
+from onnxpipe.records import RecordError, from_json
 
 __all__ = ["Memory", "StagePlan", "SolveInfo", "Candidate", "Plan", "PLAN_FORMAT"]
 
@@ -147,25 +148,17 @@ class Plan:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], origin: str = "<plan>") -> Plan:
-        if data.get("format") != PLAN_FORMAT:
-            raise OnnxpipeError(f"{origin}: not an onnxpipe plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r}); write one with `onnxpipe plan`")
+    def from_json(cls, data: object, origin: str = "<plan>") -> Plan:
+        """The plan in `data`, every field's type and value checked (an OnnxpipeError naming the field)."""
+        found = data.get("format") if isinstance(data, Mapping) else None
+        if found != PLAN_FORMAT:
+            raise OnnxpipeError(f"{origin}: not an onnxpipe plan (format {found!r}, expected {PLAN_FORMAT!r}); write one with `onnxpipe plan`")
         try:
-            stages = tuple(
-                StagePlan(**{**s, "devices": tuple(s["devices"]), "nodes": tuple(s["nodes"]), "memory": Memory(**s["memory"]),
-                             "tied": tuple(s.get("tied", ()))})
-                for s in data["stages"]
-            )
-            values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-            values.update(
-                stages=stages,
-                solver=SolveInfo(**data["solver"]),
-                explored=tuple(Candidate(**c) for c in data.get("explored", ())),
-                dims=dict(data["dims"]),
-            )
-            return cls(**values)
-        except (KeyError, TypeError) as exc:
-            raise OnnxpipeError(f"{origin}: plan is missing or has a bad field ({exc}); regenerate it with `onnxpipe plan`") from exc
+            plan = from_json(cls, data)
+            _ensure_values(plan)
+        except RecordError as exc:
+            raise OnnxpipeError(f"{origin}: {exc}; regenerate it with `onnxpipe plan`") from None
+        return plan
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a reader never sees half a plan."""
@@ -180,6 +173,31 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError as exc:
             raise OnnxpipeError(f"{path}: no such plan file; write one with `onnxpipe plan ... -o {path}`") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise OnnxpipeError(f"{path}: not valid JSON ({exc}); regenerate it with `onnxpipe plan`") from exc
         return cls.from_json(data, str(path))
+
+
+def _ensure_values(plan: Plan) -> None:
+    """Values the types alone do not rule out, checked before anything reads the plan."""
+    from onnxpipe.schedule import SCHEDULES
+
+    if plan.schedule not in SCHEDULES:
+        raise RecordError(f"schedule: {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if plan.microbatches < 1 or plan.batch < 1 or plan.batch % plan.microbatches:
+        raise RecordError(f"batch {plan.batch}, microbatches {plan.microbatches}: need at least 1 micro-batch, each of the same whole size")
+    if not plan.stages or [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        raise RecordError("stages: must be numbered 0..k-1 in order, at least one")
+    for name, value in plan.dims.items():
+        if value < 1:
+            raise RecordError(f"dims.{name}: {value} is not a positive size")
+    for stage in plan.stages:
+        if not stage.devices:
+            raise RecordError(f"stages[{stage.index}].devices: empty")
+        numbers = {f.name: getattr(stage, f.name) for f in fields(stage) if isinstance(getattr(stage, f.name), float)}
+        numbers.update({f"memory.{k}": v for k, v in asdict(stage.memory).items()})
+        negative = next((k for k, v in numbers.items() if v < 0), None)
+        if negative is not None:
+            raise RecordError(f"stages[{stage.index}].{negative}: {numbers[negative]} is negative")
+    if min(plan.bottleneck_seconds, plan.lower_bound_seconds, plan.iteration_seconds) < 0:
+        raise RecordError("bottleneck_seconds, lower_bound_seconds and iteration_seconds must not be negative")

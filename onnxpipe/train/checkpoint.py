@@ -95,7 +95,8 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[int, list[StageState]
     root = Path(directory)
     top_path = root / "checkpoint.json"
     if not top_path.is_file():
-        raise OnnxpipeError(f"{root}: no checkpoint.json; pass a directory written by --checkpoint-dir or Pipeline.save")
+        raise OnnxpipeError(f"{root}: no checkpoint.json, nothing to resume; pass a directory written by --checkpoint-dir or Pipeline.save, "
+                            "or start without --resume")
     try:
         top = json.loads(top_path.read_text())
         step, entries = int(top["step"]), list(top["stages"])

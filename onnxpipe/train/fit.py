@@ -4,7 +4,6 @@ check against unpartitioned training."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -49,7 +48,7 @@ def data_source(pipeline: Pipeline, data: str, seed: int = 0) -> BatchSource:
 def fit(pipeline: Pipeline, source: BatchSource, steps: int, *, checkpoint_dir: str | None = None, every: int = 0,
         resume: bool = False, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Train until `steps` steps are done (continuing a checkpoint with `resume`); returns every step's loss."""
-    if resume and checkpoint_dir and (Path(checkpoint_dir) / "checkpoint.json").is_file():
+    if resume and checkpoint_dir:  # a missing checkpoint is an error, never a silent start at step 0
         pipeline.load(checkpoint_dir)
     while pipeline.step < steps:
         loss = pipeline.train_step(source.batch(pipeline.step))

@@ -249,6 +249,10 @@ class Pipeline:
     def load(self, directory: str | os.PathLike) -> int:
         """Restore a checkpoint; returns the step training continues from."""
         step, states, meta = load_checkpoint(directory)
+        trained_with = meta.get("optimizer", self.config.optimizer.name)
+        if trained_with != self.config.optimizer.name:
+            raise OnnxpipeError(f"{directory}: the checkpoint was trained with {trained_with}, this run uses {self.config.optimizer.name}; "
+                                f"resume with --optimizer {trained_with} or start without --resume")
         if len(states) != self.stages:
             raise OnnxpipeError(f"{directory}: checkpoint has {len(states)} stages, this pipeline {self.stages}; resume with the same stage directory")
         self.engine.load_state(states)
