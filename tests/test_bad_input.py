@@ -231,6 +231,39 @@ def _broken_gemm(_: dict, directory: Path) -> None:
     (directory / "stage_1.onnx").write_bytes(model.SerializeToString())
 
 
+def edited_plan(edit: Callable[[dict], None]) -> Callable[[Path, Path], None]:
+    """The model and its plan (from the stage directory), the plan edited."""
+    def make(tmp: Path, base: Path) -> None:
+        shutil.copy(base / "mlp.onnx", tmp / "mlp.onnx")
+        data = json.loads((base / "stages" / "plan.json").read_text())
+        edit(data)
+        (tmp / "p.json").write_text(json.dumps(data))
+    return make
+
+
+def _set(path: str, value: object) -> Callable[[dict], None]:
+    """An edit setting one field, its path dotted with list indices as numbers (e.g. stages.0.memory)."""
+    def edit(data: dict) -> None:
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for key in parents:
+            data = data[key]
+        data[last] = value
+    return edit
+
+
+def _checkpoint_of(optimizer: str) -> Callable[[Path, Path], None]:
+    """A complete checkpoint of the 2-stage mlp (empty states) trained with `optimizer`."""
+    def make(tmp: Path, base: Path) -> None:
+        (tmp / "ck").mkdir()
+        entries = []
+        for i in range(2):
+            np.savez(tmp / "ck" / f"stage_{i}.npz")
+            entries.append({"file": f"stage_{i}.npz", "sha256": hashlib.sha256((tmp / "ck" / f"stage_{i}.npz").read_bytes()).hexdigest(), "step": 1})
+        index = {"format": "onnxpipe.checkpoint/1", "step": 1, "meta": {"optimizer": optimizer}, "stages": entries}
+        (tmp / "ck" / "checkpoint.json").write_text(json.dumps(index))
+    return make
+
+
 def _checkpoint_out(tmp: Path, base: Path) -> None:
     (tmp / "ck").mkdir()
     _secret(tmp / "ck")
@@ -330,6 +363,43 @@ CASES = [
          r"d: its manifest\.json is not an onnxpipe manifest; --force replaces only a stage directory"),
     Case("stage-fails-in-onnxruntime", edited_stages(_broken_gemm), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
          r"stage 1 \(stage_1\.onnx\) failed in onnxruntime: .*re-split", ("o.npz",)),
+    Case("batch-zero", copy("mlp.onnx"), ("plan", "mlp.onnx", "-t", "fpga4", "--batch", "0", "-o", "p.json"), r"--batch 0: must be 1 or more",
+         ("p.json",)),
+    Case("stages-zero", copy("mlp.onnx"), ("split", "mlp.onnx", "-t", "fpga4", "--stages", "0", "-o", "out"), r"--stages 0: must be 1 or more", ("out",)),
+    Case("steps-negative", copy("stages"), ("train", "stages", "--steps", "-5", "--json", "t.json"), r"--steps -5: must be 1 or more", ("t.json",)),
+    Case("checkpoint-every-negative", copy("stages"), ("train", "stages", "--checkpoint-dir", "ck", "--checkpoint-every", "-1"),
+         r"--checkpoint-every -1: must be 0 or more", ("ck",)),
+    Case("train-microbatches-zero", copy("stages"), ("train", "stages", "--microbatches", "0"), r"--microbatches 0: must be 1 or more$"),
+    Case("plan-microbatches-zero", copy("mlp.onnx"), ("plan", "mlp.onnx", "-t", "fpga4", "--microbatches", "0"),
+         r"--microbatches '0': expected a positive integer or 'auto'"),
+    Case("simulate-microbatches-zero", copy("stages"), ("simulate", "stages", "--microbatches", "0"), r"--microbatches 0: must be 1 or more"),
+    Case("run-microbatches-zero", both(copy("stages"), copy("good.npz")), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz", "--microbatches", "0"),
+         r"--microbatches 0: must be 1 or more", ("o.npz",)),
+    Case("time-limit-nan", copy("mlp.onnx"), ("plan", "mlp.onnx", "-t", "fpga4", "--time-limit", "nan"), r"--time-limit nan: must be a finite number above 0"),
+    Case("lr-infinite", copy("stages"), ("train", "stages", "--lr", "inf"), r"--lr inf: must be a finite number above 0"),
+    Case("dim-zero", copy("symbolic.onnx"), ("annotate", "symbolic.onnx", "--dim", "batch=0"), r"--dim 'batch=0': expected NAME=VALUE with a positive integer"),
+    Case("resume-without-checkpoint", copy("stages"),
+         ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "1", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
+         r"ck: no checkpoint\.json, nothing to resume; .*or start without --resume", ("t.json", "ck")),
+    Case("resume-with-another-optimizer", both(copy("stages"), _checkpoint_of("adamw")),
+         ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
+         r"ck: the checkpoint was trained with adamw, this run uses sgd; resume with --optimizer adamw or start without --resume", ("t.json",)),
+    Case("plan-schedule-bogus", edited_plan(_set("schedule", "bogus")), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
+         r"p\.json: schedule: 'bogus' is not one of gpipe, 1f1b; regenerate it", ("out",)),
+    Case("plan-microbatches-zero-in-file", edited_plan(_set("microbatches", 0)), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
+         r"p\.json: batch \d+, microbatches 0: need at least 1 micro-batch", ("out",)),
+    Case("plan-null-number", edited_plan(_set("stages.0.forward_seconds", None)), ("simulate", "p.json"),
+         r"p\.json: stages\[0\]\.forward_seconds: expected a finite number, got null"),
+    Case("plan-string-list", edited_plan(_set("stages.1.nodes", "fc0/Gemm")), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
+         r"p\.json: stages\[1\]\.nodes: expected a list, got 'fc0/Gemm'", ("out",)),
+    Case("plan-a-list", both(copy("mlp.onnx"), write("p.json", "[1, 2]")), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
+         r"p\.json: not an onnxpipe plan \(format None", ("out",)),
+    Case("manifest-string-shape", edited_stages(lambda d, _: _set("inputs.0.shape", "8,16")(d)), ("verify", "stages", "mlp.onnx"),
+         r"manifest\.json: inputs\[0\]\.shape: expected a list, got '8,16'"),
+    Case("manifest-null-stages", edited_stages(lambda d, _: _set("stages", None)(d)), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"manifest\.json: stages: expected a list, got null", ("o.npz",)),
+    Case("manifest-bad-dtype", edited_stages(lambda d, _: _set("inputs.0.dtype", "float99")(d)), ("verify", "stages", "mlp.onnx"),
+         r"manifest\.json: inputs\[0\]\.dtype: 'float99' is no ONNX tensor type"),
     Case("manifest-not-json", both(copy("stages", "good.npz"), write("stages/manifest.json", "[")), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
          r"manifest\.json: not valid JSON", ("o.npz",)),
     Case("npz-missing-array", both(copy("stages"), npz(y=np.zeros(3))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
