@@ -385,7 +385,7 @@ CASES = [
          ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
          r"ck: the checkpoint was trained with adamw, this run uses sgd; resume with --optimizer adamw or start without --resume", ("t.json",)),
     Case("plan-schedule-bogus", edited_plan(_set("schedule", "bogus")), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
-         r"p\.json: schedule: 'bogus' is not one of gpipe, 1f1b; regenerate it", ("out",)),
+         r"p\.json: schedule: 'bogus' is not one of gpipe, 1f1b, .*; regenerate it", ("out",)),
     Case("plan-microbatches-zero-in-file", edited_plan(_set("microbatches", 0)), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
          r"p\.json: batch \d+, microbatches 0: need at least 1 micro-batch", ("out",)),
     Case("plan-null-number", edited_plan(_set("stages.0.forward_seconds", None)), ("simulate", "p.json"),

@@ -180,10 +180,10 @@ class Plan:
 
 def _ensure_values(plan: Plan) -> None:
     """Values the types alone do not rule out, checked before anything reads the plan."""
-    from onnxpipe.schedule import SCHEDULES
+    from onnxpipe.schedule import TABLES
 
-    if plan.schedule not in SCHEDULES:
-        raise RecordError(f"schedule: {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if plan.schedule not in TABLES:
+        raise RecordError(f"schedule: {plan.schedule!r} is not one of {', '.join(TABLES)}")
     if plan.microbatches < 1 or plan.batch < 1 or plan.batch % plan.microbatches:
         raise RecordError(f"batch {plan.batch}, microbatches {plan.microbatches}: need at least 1 micro-batch, each of the same whole size")
     if not plan.stages or [s.index for s in plan.stages] != list(range(len(plan.stages))):
