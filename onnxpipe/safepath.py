@@ -70,6 +70,8 @@ def external_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
 
 
 def ensure_external_data_inside(path: str | os.PathLike, model: onnx.ModelProto, fix: str) -> None:
-    """Every external-data file `model` (read from `path`) names lies inside the model's own directory."""
+    """Every external-data file `model` (read from `path`) names lies inside the model's own directory
+    (or is the model file itself, as `protostream.read_model` refers to weights it leaves on disk)."""
     for name, location in external_locations(model):
-        inside(Path(path).parent, location, f"{path}: the external data of tensor '{name}'", fix)
+        if location != Path(path).name:
+            inside(Path(path).parent, location, f"{path}: the external data of tensor '{name}'", fix)

@@ -162,3 +162,4 @@ def test_numpy_warnings_stay_off_stderr(work: Path) -> None:
     np.savez(work / "huge.npz", x=np.full((8, 16), 1e300))
     result = onnxpipe("run", "stages", "--inputs", "huge.npz", "-o", "huge-out.npz", cwd=work)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
