@@ -17,6 +17,7 @@ from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
 from onnxpipe.plan import Assignment, Plan, baselines, build_problem, compare, evaluate, fits, lower_bound, plan
+from onnxpipe.plan.solve import solve
 from onnxpipe.target import Device, Link, Target, load_target
 
 GIB = 2.0**30
@@ -107,7 +108,7 @@ def _check(graph, costs, target, stages, p: Plan) -> None:  # type: ignore[no-un
     assert p.lower_bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
     for name, other in baselines(problem, stages).items():
         if name != "data-parallel" and fits(other):
-            assert p.bottleneck_seconds <= other.bottleneck_seconds * (1 + 1e-9), name
+            assert p.iteration_seconds <= other.iteration_seconds * (1 + 1e-9), name
 
 
 @settings(max_examples=25, deadline=None)
@@ -132,9 +133,15 @@ def test_random_dags_match_brute_force_and_beat_baselines(n: int, data: st.DataO
         return
     p = plan(graph, costs, target, stages=2, microbatches=4, time_limit=5)
     _check(graph, costs, target, 2, p)
-    assert p.bottleneck_seconds == pytest.approx(expected, rel=1e-9)
-    assert p.solver.status == "OPTIMAL"
-    assert p.solver.bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    # The solver proves the least bottleneck; the plan returned is the one of least iteration time among
+    # it and the baselines, so it may trade some bottleneck for a shorter iteration (and then says FEASIBLE).
+    least = solve(problem, 2, time_limit=5)
+    assert least.bottleneck_seconds == pytest.approx(expected, rel=1e-9)
+    assert least.solver.status == "OPTIMAL"
+    assert p.iteration_seconds <= least.iteration_seconds * (1 + 1e-9)
+    assert p.bottleneck_seconds >= expected * (1 - 1e-9)
+    assert p.solver.bound_seconds <= expected + 1e-8  # CP-SAT's terms are rounded up to whole nanoseconds
+    assert (p.solver.status == "OPTIMAL") == (p.bottleneck_seconds <= expected * (1 + 1e-9))
 
 
 def _assert_no_baseline_faster(graph, costs, target, p: Plan) -> None:  # type: ignore[no-untyped-def]

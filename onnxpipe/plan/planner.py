@@ -44,7 +44,8 @@ def plan(
     progress: Callable[[str], None] | None = None,
     mode: str = "training",
 ) -> Plan:
-    """Partition and place the graph on the target, minimising the bottleneck stage time per micro-batch.
+    """Partition and place the graph on the target: the least predicted iteration time among the solver's
+    plans (least bottleneck stage time per micro-batch) and every baseline of as many stages.
 
     Defaults: the stage count (at most one per device) of least predicted iteration time, so no baseline
     beats the plan; 2 x stages micro-batches (2 x devices when the stage count is chosen), a global batch
@@ -79,7 +80,8 @@ def plan(
             raise OnnxpipeError(f"batch {batch} does not split into {m} micro-batches; pick a divisor of the batch for --microbatches")
         if stages is None:
             return _fastest_stage_count(base, devices, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
-        return solve(base, k, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
+        # Ranked by iteration time (what the user pays), so no baseline of k stages, priced beside it, is faster.
+        return solve(base, k, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, by_iteration=True)
     candidates, winner, winner_stages, priced = explore(
         base,
         [stages] if stages else list(range(1, devices + 1)),
