@@ -56,11 +56,6 @@ class StagePlan:
     #: as W; 0 when unknown (such a stage's W takes no time and its B the whole backward).
     weight_seconds: float = 0.0
 
-    @property
-    def busy_seconds(self) -> float:
-        """Steady-state time per micro-batch: compute plus communication."""
-        return self.forward_seconds + self.backward_seconds + self.comm_in_seconds + self.comm_out_seconds
-
     def seconds_per_microbatch(self, microbatches: int) -> float:
         """Busy time plus this stage's share of its per-iteration all-reduce: what the planner balances."""
         return seconds_per_microbatch(self.forward_seconds, self.backward_seconds, self.comm_in_seconds + self.comm_out_seconds,
