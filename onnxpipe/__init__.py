@@ -5,11 +5,12 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.initializers import TieChoice
 from onnxpipe.target import Target, load_target
-from onnxpipe.chain import chain, run_pipeline
+from onnxpipe.chain import chain
 from onnxpipe.split import split
 from onnxpipe.verify import verify
 from onnxpipe.plan import Plan, evaluate, lower_bound, plan_model
 from onnxpipe.plan import plan as make_plan
+from onnxpipe.train.infer import run_pipeline
 from onnxpipe.train.pipeline import Pipeline
 from onnxpipe.plan import simulate_plan as simulate
 from onnxpipe.simulate import Simulation

@@ -1,13 +1,13 @@
-"""Run a stage directory on plain onnxruntime by following its manifest: in sequence (`chain`) or as
-an inference pipeline over micro-batches (`run_pipeline`, one thread and session per stage).
+"""Run a stage directory on plain onnxruntime by following its manifest, in sequence (`chain`); the
+feed checks and .npz files that `run` shares. (Inference as a pipeline over micro-batches runs on the
+executor: `onnxpipe.train.infer.run_pipeline`.)
 
-Reading order: `chain` -> `check_feeds` -> `run_pipeline` -> `_StageWorker`.
+Reading order: `chain` -> `check_feeds` -> `read_npz` / `write_npz`.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +19,7 @@ from onnxpipe.fileio import atomic_path
 from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.ortutil import cpu_session, ort_reason
 
-__all__ = ["chain", "run_pipeline", "check_feeds", "session", "read_npz", "write_npz"]
+__all__ = ["chain", "check_feeds", "session", "read_npz", "write_npz"]
 
 
 def session(path: str | os.PathLike) -> object:
@@ -67,64 +67,6 @@ def _run_stage(sess: object, stage: Stage, values: Mapping[str, np.ndarray]) -> 
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise OnnxpipeError(f"stage {stage.index} ({stage.file}) failed in onnxruntime: {first}; re-split the model with `onnxpipe split`") from exc
     return dict(zip(names, results))
-
-
-def run_pipeline(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microbatches: int = 1) -> dict[str, np.ndarray]:
-    """Inference as a pipeline: inputs cut along axis 0 into micro-batches of the stage files' batch;
-    stage i works on micro-batch j while stage i+1 works on j-1; outputs joined along axis 0
-    (scalar outputs stacked, one per micro-batch)."""
-    if microbatches < 1:
-        raise OnnxpipeError(f"--microbatches {microbatches}: must be at least 1")
-    manifest = Manifest.read(directory)
-    full = check_feeds(manifest.inputs, feeds, microbatches)
-    slices = [
-        {name: (a if a.ndim == 0 else np.split(a, microbatches)[j]) for name, a in full.items()} for j in range(microbatches)
-    ]
-    store: list[dict[str, np.ndarray]] = [dict(s) for s in slices]
-    workers = [_StageWorker(Path(directory), stage, store) for stage in manifest.stages]
-    for worker in workers:
-        worker.upstream = [workers[i] for i in sorted({i.source for i in worker.stage.inputs if i.source != "model"})]  # type: ignore[misc]
-        worker.start()
-    for worker in workers:
-        worker.join()
-    failed = next((w.error for w in workers if w.error is not None), None)
-    if failed is not None:
-        raise failed
-    outputs = {}
-    for out in manifest.outputs:
-        parts = [store[j][out.name] for j in range(microbatches)]
-        outputs[out.name] = np.stack(parts) if parts[0].ndim == 0 else np.concatenate(parts, axis=0)
-    return outputs
-
-
-class _StageWorker(threading.Thread):
-    """One stage: its own session; runs micro-batches in order once every upstream stage has
-    finished the same one (onnxruntime releases the GIL, so stages overlap)."""
-
-    def __init__(self, directory: Path, stage: Stage, store: list[dict[str, np.ndarray]]) -> None:
-        super().__init__(name=f"stage-{stage.index}", daemon=True)
-        self.stage = stage
-        self.directory = directory
-        self.store = store
-        self.upstream: list[_StageWorker] = []
-        self.done = [threading.Event() for _ in store]
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            sess = session(self.directory / self.stage.file)
-            for j, values in enumerate(self.store):
-                for up in self.upstream:
-                    up.done[j].wait()
-                    if up.error is not None:
-                        return
-                values.update(_run_stage(sess, self.stage, values))
-                self.done[j].set()
-        except BaseException as exc:  # reported by run_pipeline after join
-            self.error = exc
-        finally:
-            for event in self.done:
-                event.set()
 
 
 def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:

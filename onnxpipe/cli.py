@@ -455,8 +455,9 @@ def run(
     output: str = typer.Option(..., "-o", "--output", help="The .npz to write, one array per model output."),
     microbatches: int = typer.Option(1, "--microbatches", help="Cut the inputs along axis 0 into this many micro-batches and pipeline them."),
 ) -> None:
-    """Run a stage directory as an inference pipeline on onnxruntime."""
-    from onnxpipe.chain import read_npz, run_pipeline, write_npz
+    """Run a stage directory as an inference pipeline on onnxruntime: one worker process per stage."""
+    from onnxpipe.chain import read_npz, write_npz
+    from onnxpipe.train.infer import run_pipeline
 
     ensure_counts(microbatches=(microbatches, 1))
     outputs = run_pipeline(directory, read_npz(inputs), microbatches=microbatches)
@@ -571,7 +572,7 @@ def plan_command(
 @friendly
 def train(
     model: str = typer.Argument(..., help="An .onnx model (planned and split first) or a stage directory written by `onnxpipe split`."),
-    target: str = typer.Option("cpu2", "--target", "-t", help="A bundled target name or a .toml target file."),
+    target: str = typer.Option(None, "--target", "-t", help="A bundled target name or a .toml target file (default: a stage directory's own, else cpu2)."),
     stages: int = typer.Option(None, "--stages", help="Number of stages when planning a model (default: the planner chooses)."),
     batch: int = typer.Option(None, "--batch", help="Global batch per step (micro-batches x the stage files' batch)."),
     microbatches: int = typer.Option(4, "--microbatches", help="Micro-batches per step."),
@@ -630,7 +631,7 @@ def train(
             raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
         source = data_source(pipe, data, seed)
         workers = f" on {len(pipe.places)} workers" if len(pipe.places) != pipe.stages else ""
-        console.print(f"training {pipe.stages} stages{workers} ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(target)}", highlight=False)
+        console.print(f"training {pipe.stages} stages{workers} ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(pipe.target)}", highlight=False)
         with Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             task = bar.add_task("train", total=steps, info="")
@@ -659,9 +660,9 @@ def train(
             write_json(json_path, metrics)
             console.print(f"wrote {escape(json_path)}", highlight=False)
         if report_path:
-            from onnxpipe.train.timeline import write_report
+            from onnxpipe.train.report import write_report
 
-            for written in write_report(pipe, report_path, target):
+            for written in write_report(pipe, report_path):
                 console.print(f"wrote {escape(str(written))}", highlight=False)
 
 

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-device lists of actions that the simulator, the executor and the pictures all read.
 
-Reading order: `Action` -> `gpipe` / `one_f_one_b` -> `build` -> `add_communication`
+Reading order: `Action` -> `gpipe` / `one_f_one_b` -> `build` (`forward_only` for inference) -> `add_communication`
 -> `replicate` (rows of a replicated stage's workers) -> checks (`in_flight`, `ensure_valid`)
 -> the schedules with a split backward or several stages per device (`interleaved_1f1b`, `zb_h1`,
 `zb_v`, built by `table`; `_unit_time_order` lists the zero-bubble ones).

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe import models
-from onnxpipe.chain import chain, run_pipeline
+from onnxpipe.chain import chain
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.manifest import Manifest
@@ -24,6 +24,7 @@ from onnxpipe.models import legacy
 from onnxpipe.plan.result import Memory, Plan, SolveInfo, StagePlan
 from onnxpipe.split import STAGE_METADATA_KEY, cut_stages, split
 from onnxpipe.target import load_target
+from onnxpipe.train.infer import run_pipeline
 from onnxpipe.verify import TOLERANCE, random_feeds, relative_error, verify
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -319,7 +319,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize(("name", "k", "schedule", "recompute"), [("gpt2-tiny", 3, "1f1b", "never"), ("two-io", 4, "gpipe", "always")])
 def test_worker_processes_match_unpartitioned(name: str, k: int, schedule: str, recompute: str) -> None:
-    from onnxpipe.train.executor import ProcessPipeline
+    from onnxpipe.train.processes import ProcessPipeline
 
     directory, manifest = stage_dir(name, k)
     config = TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD, recompute=recompute)
@@ -347,7 +347,7 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
     import threading
     import time
 
-    from onnxpipe.train.executor import ProcessPipeline
+    from onnxpipe.train.processes import ProcessPipeline
 
     directory, manifest = stage_dir("gpt2-tiny", 3)
     config = TrainConfig(schedule="1f1b", microbatches=M, optimizer=SGD)
@@ -370,7 +370,7 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
 
 
 def test_worker_error_names_stage_microbatch_and_phase() -> None:
-    from onnxpipe.train.executor import ProcessPipeline
+    from onnxpipe.train.processes import ProcessPipeline
 
     directory, manifest = stage_dir("gpt2-tiny", 2)
     config = TrainConfig(schedule="gpipe", microbatches=M, optimizer=SGD)
@@ -384,24 +384,39 @@ def test_worker_error_names_stage_microbatch_and_phase() -> None:
 
 
 def test_root_cause_beats_its_consequences_that_arrive_first() -> None:
-    import queue
-    import threading
     import time
     from types import SimpleNamespace
 
-    from onnxpipe.train.executor import ProcessPipeline, _Failure
+    from onnxpipe.train.executor import Executor, Failure
+    from onnxpipe.train.messages import Failed
 
-    results: queue.Queue = queue.Queue()
-    fake = SimpleNamespace(_results=results, _dead=lambda skip: [])
+    class Backend:
+        """Replies that arrive at given times after the first call."""
+
+        def __init__(self, replies: list[tuple[float, Failed]]) -> None:
+            self.due, self.start = sorted(replies, key=lambda r: r[0]), None
+
+        def replies(self, timeout: float) -> list[Failed]:
+            self.start = self.start or time.monotonic()
+            time.sleep(timeout)
+            now = time.monotonic() - self.start
+            out = [r for t, r in self.due if t <= now]
+            self.due = [(t, r) for t, r in self.due if t > now]
+            return out
+
+        def health(self) -> list[Failure]:
+            return []
+
     t = time.monotonic()
-    consequence = _Failure(1, ("RECV_F", 1), "PeerGone: the sender of 'h' (micro-batch 1) is gone", t + 0.01, True)
+    consequence = Failure(1, ("RECV_F", 1), "PeerGone: the sender of 'h' (micro-batch 1) is gone", t + 0.01, True)
     # The root cause failed first but its report is late: it still wins.
-    threading.Timer(0.1, lambda: results.put(("error", 0, "F", 2, "InvalidArgument: bad index", "tb", t, False))).start()
-    root = ProcessPipeline._root_cause(fake, [consequence])  # type: ignore[arg-type]
+    late = Failed(0, "F", 2, "InvalidArgument: bad index", "tb", t, False)
+    root = Executor._root_cause(SimpleNamespace(backend=Backend([(0.1, late)])), [consequence])  # type: ignore[arg-type]
     assert (root.worker, root.where, root.secondary) == (0, ("F", 2), False)
     # Among primary failures, the earliest wins whatever the arrival order.
-    results.put(("error", 2, "B", 0, "later", "tb", t + 0.5, False))
-    assert ProcessPipeline._root_cause(fake, [_Failure(3, None, "exited with code -9", t + 1.0)]).worker == 2  # type: ignore[arg-type]
+    earlier = Failed(2, "B", 0, "later", "tb", t + 0.5, False)
+    fake = SimpleNamespace(backend=Backend([(0.0, earlier)]))
+    assert Executor._root_cause(fake, [Failure(3, None, "exited with code -9", t + 1.0)]).worker == 2  # type: ignore[arg-type]
 
 
 # --- checkpoints, the Pipeline API and the command line ---------------------------------------

@@ -1,59 +1,95 @@
-"""One worker process per stage replica (spawn), tensors through shared memory, the driver feeding
-micro-batches and collecting losses and measurements. Workers are numbered stage-major (`Layout`);
-measurements come per worker, states per stage (replicas hold identical weights).
+"""The executor core: one driver for every backend, driven by the lowered schedule tables in the specs.
 
-Reading order: `StepStats` -> `ProcessPipeline` (start, train_step, evaluate, state, close)
--> `_wait` (results, dead workers, errors) -> `_root_cause` -> `_fail`.
+The driver sends a command (`messages`) to each worker, posts the micro-batches' model inputs through
+the backend's transport, and collects one reply per worker. Every wait has a liveness check (the
+backend's `health`: exited, killed or stopped workers) and a deadline (`stall_seconds` without any
+worker finishing an action; `start_seconds` for start-up).
+
+A backend is how the workers run and talk; it implements `Backend` (six members) and runs a
+`stage.StageServer` per worker. Two exist: `processes.ProcessBackend` (one spawned process per stage
+replica, shared memory: the default) and `local.LocalBackend` (every stage in this process, taking
+turns: tests and the unpartitioned reference). Training (`train_step`) and inference (`infer`) go
+through the same servers and tables.
+
+Reading order: `Backend` -> `Executor` (train_step, infer, state, load_state) -> `_wait` -> `_root_cause` -> `_fail`.
 
 One failure brings down its neighbours (a worker reading from a sender that cleaned up fails too),
 so the driver does not report the first error it hears: it listens a little longer and names the
-earliest failure that was not a consequence of another (`_Failure.secondary`).
+earliest failure that was not a consequence of another (`Failure.secondary`).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue as queue_mod
-import secrets
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.simulate import Event
+from onnxpipe.train.messages import Command, Failed, GetState, Infer, Outputs, Ready, Reply, SetState, StageState, State, StepDone, Train
 from onnxpipe.train.stage import StageSpec, mean_loss, post_inputs
 from onnxpipe.train.timeline import step_events
-from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
-from onnxpipe.train.worker import OPS, worker_main
+from onnxpipe.train.transport import Transport
 
-__all__ = ["StepStats", "ProcessPipeline", "PHASES"]
+__all__ = ["Backend", "Executor", "Failure", "StepStats", "PHASES"]
 
 #: How a worker's op reads in an error message.
-PHASES = {"F": "forward", "B": "backward", "W": "weight gradients", "STEP": "optimizer step", "RECV_F": "receiving activations", "SEND_F": "sending activations",
-          "RECV_B": "receiving gradients", "SEND_B": "sending gradients", "setup": "setup", "evaluate": "evaluate", "idle": "idle"}
+PHASES = {"F": "forward", "B": "backward", "W": "weight gradients", "STEP": "optimizer step", "RECV_F": "receiving activations",
+          "SEND_F": "sending activations", "RECV_B": "receiving gradients", "SEND_B": "sending gradients", "setup": "setup", "idle": "idle"}
 #: Seconds a worker gets to build its sessions.
-_START_TIMEOUT = 300.0
-#: Seconds the driver keeps listening after a failure for earlier ones (reports cross in the queue).
+START_SECONDS = 300.0
+#: Seconds a command may go without any worker finishing an action (a worker computing one action longer fails the run).
+STALL_SECONDS = 300.0
+#: Seconds the driver keeps listening after a failure for earlier ones (reports cross on the way).
 _GRACE = 0.3
 #: Longest it waits for a root cause when only consequences of one have arrived.
 _ROOT_WAIT = 3.0
+#: How often a wait checks the workers' health.
+_POLL = 0.2
 
 
 @dataclass(frozen=True)
-class _Failure:
-    #: Worker id (the stage's index where no stage is replicated).
+class Failure:
+    """Why a worker can no longer answer."""
+
     worker: int
-    #: (op, micro-batch) when the worker said where; None: read the shared `current` marks.
+    #: (op, micro-batch) when the worker said where; None: ask the backend (`Backend.where`).
     where: tuple[str, int] | None
     error: str
     #: time.monotonic() of the failure (of its detection for a dead worker).
     at: float
-    #: Caused by another worker's failure (its shared memory vanished).
+    #: Caused by another worker's failure (its data vanished).
     secondary: bool = False
+
+
+class Backend(Protocol):
+    """How the executor reaches its workers: one per `StageSpec`, addressed by `StageSpec.worker`. A backend
+    starts its workers when built (from the specs) and never blocks the driver on a worker."""
+
+    #: The driver's end of the transport (address -1): model inputs reach the workers through it.
+    driver: Transport
+
+    def command(self, worker: int, command: Command) -> None:
+        """Send a command (a large one in the background: a dead or stopped worker cannot block the driver)."""
+
+    def replies(self, timeout: float) -> list[Reply]:
+        """The replies that arrived, waiting up to `timeout` seconds for the first."""
+
+    def health(self) -> list[Failure]:
+        """Workers that can no longer answer (exited, killed, stopped); empty while every worker is well."""
+
+    def progress(self) -> int:
+        """A count that grows whenever a worker finishes an action (the stall deadline watches it)."""
+
+    def where(self, worker: int) -> tuple[str, int]:
+        """The op and micro-batch a worker was last in (for one that failed without saying)."""
+
+    def close(self, force: bool) -> None:
+        """Stop every worker (at once when `force`) and release everything the backend holds; idempotent."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +98,10 @@ class StepStats:
 
     loss: float
     seconds: float
-    #: Per worker: seconds computing (forward, backward, optimizer), copying through shared memory.
+    #: Per worker: seconds computing (forward, backward, optimizer), copying through the transport.
     busy_seconds: tuple[float, ...]
     copy_seconds: tuple[float, ...]
-    #: Per worker: peak bytes of stashed activations, peak RSS of the worker.
+    #: Per worker: peak bytes of stashed activations, peak RSS of the worker (0: not measured).
     peak_stash_bytes: tuple[int, ...]
     peak_rss_bytes: tuple[int, ...]
     #: What every worker did when, in seconds from the step's start (see `timeline.step_events`).
@@ -76,90 +112,87 @@ class StepStats:
     places: tuple[tuple[int, int], ...] = ()
 
 
-class ProcessPipeline:
-    """Context manager: workers start on entry (or construction) and are always shut down on exit."""
+_F = TypeVar("_F", bound=Callable[..., Any])
+_R = TypeVar("_R", bound=Reply)
 
-    def __init__(self, specs: Sequence[StageSpec]) -> None:
+
+def _closing_on_interrupt(method: _F) -> _F:
+    """Ctrl-C (or SIGTERM turned into it) while the driver talks to its workers stops them all at once."""
+
+    @functools.wraps(method)
+    def wrapper(self: Executor, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except KeyboardInterrupt:
+            self.close(force=True)
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Executor:
+    """Context manager: workers start on construction and always stop on exit (or on the first failure)."""
+
+    def __init__(self, specs: Sequence[StageSpec], backend: Callable[[tuple[StageSpec, ...]], Backend], *,
+                 start_seconds: float = START_SECONDS, stall_seconds: float = STALL_SECONDS) -> None:
         self.specs = tuple(specs)
         if [s.worker for s in self.specs] != list(range(len(self.specs))):
             raise OnnxpipeError("stage specs must come one per worker in worker order (stage-major); build them with prepare_stages")
         self.places = tuple((s.index, s.replica) for s in self.specs)
-        self._ctx = mp.get_context("spawn")
-        self._prefix = f"onnxpipe_{os.getpid()}_{secrets.token_hex(3)}_"
-        k = len(self.specs)
-        self._inboxes = make_inboxes(self._ctx, k)
-        self._commands = [self._ctx.Queue() for _ in range(k)]
-        self._results = self._ctx.Queue()
-        self._current = self._ctx.Array("i", 2 * k, lock=False)
-        self._driver = ShmTransport(self._prefix + "d", self._inboxes, -1)
-        self._procs: list[Any] = []
+        self.stall_seconds = stall_seconds
         self.last: StepStats | None = None
+        self._closed = False
+        self.backend = backend(self.specs)
         try:
-            for spec in self.specs:
-                proc = self._ctx.Process(target=worker_main, name=f"onnxpipe-stage-{spec.index}-{spec.replica}", daemon=True,
-                                         args=(spec, self._inboxes, self._commands[spec.worker], self._results, self._prefix, self._current))
-                proc.start()
-                self._procs.append(proc)
-            self._wait("ready", _START_TIMEOUT)
+            self._wait(Ready, start_seconds)
         except BaseException:
-            self.close()
+            self.close(force=True)
             raise
 
-    def __enter__(self) -> ProcessPipeline:
+    def __enter__(self) -> Executor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
-    @property
-    def segment_prefix(self) -> str:
-        """Name prefix of every shared-memory segment of this pipeline."""
-        return self._prefix
-
+    @_closing_on_interrupt
     def train_step(self, microbatches: Sequence[dict[str, np.ndarray]]) -> float:
+        """One optimizer step over the micro-batches (every schedule row once); returns the mean loss."""
         start = time.perf_counter()
-        for q in self._commands:  # workers first, so they drain their inboxes while the inputs arrive
-            q.put(("step",))
-        post_inputs(self._driver, self.specs, microbatches)
-        replies = self._wait("done")
-        loss = mean_loss(r[2] for r in replies)
-        seconds = time.perf_counter() - start
-        self.last = StepStats(loss, seconds, tuple(r[3] for r in replies), tuple(r[4] for r in replies),
-                              tuple(r[5] for r in replies), tuple(r[6] for r in replies),
-                              step_events(start, [r[7] for r in replies], [s for s, _ in self.places]),
-                              tuple(r[8] for r in replies), self.places)
+        replies = self._run(Train(), microbatches, StepDone)
+        self.last = StepStats(mean_loss(r.losses for r in replies), time.perf_counter() - start,
+                              tuple(r.busy_seconds for r in replies), tuple(r.copy_seconds for r in replies),
+                              tuple(r.peak_stash_bytes for r in replies), tuple(r.peak_rss_bytes for r in replies),
+                              step_events(start, [r.timings for r in replies], [s for s, _ in self.places]),
+                              tuple(r.copy_cpu_seconds for r in replies), self.places)
         return self.last.loss
 
-    def evaluate(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        for q in self._commands:
-            q.put(("evaluate", len(microbatches)))
-        post_inputs(self._driver, self.specs, microbatches)
-        replies = self._wait("outputs")
-        merged: list[dict[str, np.ndarray]] = [dict() for _ in microbatches]
-        for r in replies:
-            for i, out in r[2]:
+    @_closing_on_interrupt
+    def infer(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Forward only (the forward-only rows); per micro-batch, the outputs the stages collect (`Wiring.model_outputs`)."""
+        merged: list[dict[str, np.ndarray]] = [{} for _ in microbatches]
+        for reply in self._run(Infer(), microbatches, Outputs):
+            for i, out in reply.outputs.items():
                 merged[i].update(out)
         return merged
 
-    def state(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+    @_closing_on_interrupt
+    def state(self) -> list[StageState]:
         """Per stage: (parameters, optimizer state), from its first replica (replicas hold identical ones)."""
         first = [s.worker for s in self.specs if s.replica == 0]
         for w in first:
-            self._commands[w].put(("get",))
-        return [(r[2], r[3]) for r in self._wait("state", workers=first)]
+            self.backend.command(w, GetState())
+        return [(r.params, r.optimizer) for r in self._wait(State, workers=first)]
 
-    def load_state(self, states: Sequence[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
+    @_closing_on_interrupt
+    def load_state(self, states: Sequence[StageState]) -> None:
         """Every replica of a stage gets that stage's state."""
-        for spec, q in zip(self.specs, self._commands):
-            params, opt = states[spec.index]
-            q.put(("set", params, opt))
-        self._wait("state")
+        for spec in self.specs:
+            self.backend.command(spec.worker, SetState(*states[spec.index]))
+        self._wait(State)
 
     def parameters(self) -> dict[str, np.ndarray]:
+        """Every stage's weights (a tied weight once: its copies are equal)."""
         out: dict[str, np.ndarray] = {}
         for params, _ in self.state():
             for k, v in params.items():
@@ -167,98 +200,71 @@ class ProcessPipeline:
         return out
 
     def close(self, force: bool = False) -> None:
-        """Stop every worker (politely unless `force`, then by signal), and unlink all shared memory."""
-        for q in [] if force else self._commands:
-            try:
-                q.put(("stop",))
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + (0.0 if force else 2.0)
-        for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self._driver.close()
-        sweep_segments(self._prefix)
-        for q in [*self._commands, self._results]:
-            q.close()
-            q.cancel_join_thread()
-        for ends in self._inboxes:
-            for end in ends:
-                end.close()
-        self._procs = []
+        """Stop every worker (politely unless `force`) and release the backend's resources."""
+        if not self._closed:
+            self._closed = True
+            self.backend.close(force)
 
-    def _wait(self, kind: str, timeout: float | None = None, workers: Sequence[int] | None = None) -> list[tuple]:
-        """One `kind` reply per worker (of `workers`, default all), in worker order; a dead or failing worker fails the run within a second."""
+    def _run(self, command: Command, microbatches: Sequence[dict[str, np.ndarray]], kind: type[_R]) -> list[_R]:
+        """Send `command` to every worker, then the inputs (so workers drain their inboxes while they arrive)."""
+        for spec in self.specs:
+            self.backend.command(spec.worker, command)
+        post_inputs(self.backend.driver, self.specs, microbatches)
+        return self._wait(kind)
+
+    def _wait(self, kind: type[_R], timeout: float | None = None, workers: Sequence[int] | None = None) -> list[_R]:
+        """One `kind` reply per worker (of `workers`, default all), in worker order. A failing, dead or
+        stopped worker fails the run within a second or so; so does `timeout` seconds (default
+        `stall_seconds`) in which no worker finished an action."""
         want = list(range(len(self.specs))) if workers is None else list(workers)
-        got: dict[int, tuple] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while len(got) < len(want):
-                try:
-                    msg = self._results.get(timeout=0.2)
-                except queue_mod.Empty:
-                    dead = self._dead(set(got))
-                    if dead:
-                        self._fail(self._root_cause(dead))
-                    if deadline is not None and time.monotonic() > deadline:
-                        late = min(set(want) - set(got))
-                        self._fail(_Failure(late, None, f"no answer within {timeout:.0f} s", time.monotonic()))
-                    continue
-                if msg[0] == "error":
-                    self._fail(self._root_cause([_reported(msg)]))
-                if msg[0] == kind:
-                    got[msg[1]] = msg
-        except KeyboardInterrupt:
-            self.close(force=True)
-            raise
+        limit = self.stall_seconds if timeout is None else timeout
+        got: dict[int, _R] = {}
+        seen, since = self.backend.progress(), time.monotonic()
+        while len(got) < len(want):
+            for reply in self.backend.replies(_POLL):
+                if isinstance(reply, Failed):
+                    self._fail(self._root_cause([_reported(reply)]))
+                if isinstance(reply, kind) and reply.worker in want:
+                    got[reply.worker] = reply
+            if len(got) == len(want):
+                break
+            bad = [f for f in self.backend.health() if f.worker not in got]
+            if bad:
+                self._fail(self._root_cause(bad))
+            now, progress = time.monotonic(), self.backend.progress()
+            if progress != seen:
+                seen, since = progress, now
+            elif now - since > limit:
+                late = min(set(want) - set(got))
+                self._fail(Failure(late, None, f"no answer within {limit:.0f} s", now))
         return [got[w] for w in want]
 
-    def _dead(self, skip: set[int]) -> list[_Failure]:
-        """Workers that exited abnormally (a worker that reported an error exits with 0)."""
-        now = time.monotonic()
-        return [_Failure(w, None, f"worker exited with code {proc.exitcode}", now)
-                for w, proc in enumerate(self._procs)
-                if w not in skip and not proc.is_alive() and proc.exitcode != 0]
-
-    def _root_cause(self, failures: list[_Failure]) -> _Failure:
+    def _root_cause(self, failures: list[Failure]) -> Failure:
         """Listen `_GRACE` s more (up to `_ROOT_WAIT` s while only consequences arrived); the earliest primary failure wins."""
         start = time.monotonic()
         found = {f.worker: f for f in failures}
         while True:
-            waited = time.monotonic() - start
             primary = any(not f.secondary for f in found.values())
-            if waited >= (_GRACE if primary else _ROOT_WAIT):
+            if time.monotonic() - start >= (_GRACE if primary else _ROOT_WAIT):
                 break
-            try:
-                msg = self._results.get(timeout=0.05)
-            except queue_mod.Empty:
-                for f in self._dead(set(found)):
-                    found[f.worker] = f
-                continue
-            if msg[0] == "error":
-                found[msg[1]] = _reported(msg)  # a worker's own report beats its exit code
+            replies = self.backend.replies(0.05)
+            for reply in replies:
+                if isinstance(reply, Failed):
+                    found[reply.worker] = _reported(reply)  # a worker's own report beats its exit code
+            if not replies:
+                for f in self.backend.health():
+                    found.setdefault(f.worker, f)
         return min(found.values(), key=lambda f: (f.secondary, f.at, f.worker))
 
-    def _fail(self, failure: _Failure) -> None:
-        where = failure.where
-        if where is None:
-            code = self._current[2 * failure.worker]
-            where = (OPS[code] if 0 <= code < len(OPS) else "?", self._current[2 * failure.worker + 1])
-        op, mb = where
+    def _fail(self, failure: Failure) -> None:
+        op, mb = failure.where or self.backend.where(failure.worker)
         self.close(force=True)
         at = f" at micro-batch {mb}" if op not in ("setup", "idle", "STEP", "?") and mb >= 0 else ""
         spec = self.specs[failure.worker]
-        who = f"stage {spec.index}" + (f" (replica {spec.replica} of {spec.layout.count(spec.index)})" if spec.layout.count(spec.index) > 1 else "")
+        replicas = spec.layout.count(spec.index)
+        who = f"stage {spec.index}" + (f" (replica {spec.replica} of {replicas})" if replicas > 1 else "")
         raise OnnxpipeError(f"{who} failed{at} ({PHASES.get(op, op)}): {failure.error}")
 
 
-def _reported(msg: tuple) -> _Failure:
-    """A worker's ("error", worker, op, micro-batch, detail, traceback, monotonic time, secondary) report."""
-    return _Failure(msg[1], (msg[2], msg[3]), msg[4], msg[6], msg[7])
+def _reported(reply: Failed) -> Failure:
+    return Failure(reply.worker, (reply.op, reply.microbatch), reply.detail, reply.at, reply.secondary)

@@ -36,6 +36,13 @@ class OptimizerConfig:
         if not 0 <= self.momentum < 1:
             raise OnnxpipeError(f"--momentum must be in [0, 1) (got {self.momentum})")
 
+    @property
+    def planned_as(self) -> str:
+        """The planner's name for the state this optimizer keeps per weight: "sgd" none, "momentum" one, "adam" two."""
+        if self.name == "adamw":
+            return "adam"
+        return "momentum" if self.momentum else "sgd"
+
 
 class Optimizer:
     """Updates parameters in place; its state (`state()`/`load_state`) goes into checkpoints."""

@@ -1,7 +1,8 @@
 """From a stage directory (or one whole model) to the picklable `StageSpec`s the runners execute.
 
-Reading order: `TrainConfig` -> `prepare_stages` (stage directory) -> `_wire` -> `prepare_single`
-(the unpartitioned model as one stage: the reference).
+Reading order: `TrainConfig` -> `prepare_stages` (stage directory, for training) -> `prepare_single`
+(the unpartitioned model as one stage: the reference) -> `prepare_inference` (the stage files as
+they are, forward only) -> `stage_threads`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from pathlib import Path
 import onnx
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.manifest import Manifest, StageInput
-from onnxpipe.schedule import SCHEDULES, Table, add_communication, build, replicate, table
+from onnxpipe.manifest import Manifest, Stage, StageInput
+from onnxpipe.protostream import load_weights, read_model
+from onnxpipe.schedule import SCHEDULES, Table, add_communication, build, forward_only, replicate, table
+from onnxpipe.target import load_target
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
@@ -21,7 +24,7 @@ from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.splitgrad import split_backward
 from onnxpipe.train.stage import StageSpec, Wiring
 
-__all__ = ["TrainConfig", "RECOMPUTE", "prepare_stages", "prepare_single", "model_inputs"]
+__all__ = ["TrainConfig", "RECOMPUTE", "prepare_stages", "prepare_single", "prepare_inference", "model_inputs", "stage_threads"]
 
 RECOMPUTE = ("auto", "always", "never")
 _FLOATS = ("float16", "float32", "float64", "bfloat16")
@@ -80,6 +83,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
     compute = table(config.schedule, k, config.microbatches)
     split = any(a.op == "W" for row in compute for a in row)
     rows = replicate(stage_rows(add_communication(compute), k), layout.replicas)
+    forward_rows = _forward_rows(k, config.microbatches, layout)
     graphs: dict[int, StageGraphs] = {}
     grad_readers: dict[str, list[int]] = {}
     models = {}
@@ -87,7 +91,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
         path = directory / st.file
         if not path.is_file():
             raise OnnxpipeError(f"{path}: stage file missing; rewrite the directory with `onnxpipe split`")
-        model = onnx.load(str(path))
+        model = _read_stage(path)
         if config.loss is not None and any(o.name == config.loss.output for o in model.graph.output):
             model = append_loss(model, config.loss)
         models[st.index] = model
@@ -113,16 +117,18 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
         g = graphs[st.index]
         wiring = Wiring(
             model_inputs=tuple(i for i in g.inputs if not any(x.name == i and isinstance(x.source, int) for x in st.inputs)),
-            recv_f=tuple((i.name, i.source) for i in st.inputs if isinstance(i.source, int)),
-            send_f=tuple((o.name, tuple(c for c in o.consumers if isinstance(c, int))) for o in st.outputs if any(isinstance(c, int) for c in o.consumers)),
+            recv_f=_recv_f(st),
+            send_f=_send_f(st),
             recv_b=tuple((o, tuple(sorted(grad_readers[o]))) for o in g.grad_outputs),
             send_b=tuple((i, holder[i]) for i in g.grad_inputs),
             shared=tuple((p, tuple(x for x in shared[p] if x != st.index)) for p in g.trained if p in shared),
+            model_outputs=_model_outputs(st) + ((g.loss,) if g.loss else ()),
         )
         halves = split_backward(g) if split and g.backward else None
         for j in range(layout.count(st.index)):
-            specs.append(StageSpec(st.index, g, wiring, rows[layout.worker(st.index, j)], config.microbatches, config.optimizer,
-                                   threads[st.index] if threads else config.threads, j, layout, halves))
+            w = layout.worker(st.index, j)
+            specs.append(StageSpec(st.index, g, wiring, rows[w], config.microbatches, config.optimizer,
+                                   threads[st.index] if threads else config.threads, j, layout, halves, forward_rows[w]))
     return tuple(specs)
 
 
@@ -132,6 +138,29 @@ def stage_rows(lowered: Table, stages: int) -> Table:
     if len(lowered) == stages:
         return lowered
     return tuple(tuple(a for row in lowered for a in row if a.stage == s) for s in range(stages))
+
+
+def _read_stage(path: Path) -> onnx.ModelProto:
+    """A stage file with every weight read in (a session runs the whole stage)."""
+    model = read_model(path)
+    load_weights(model, path.parent)
+    return model
+
+
+def _forward_rows(stages: int, microbatches: int, layout: Layout) -> Table:
+    return replicate(add_communication(forward_only(stages, microbatches)), tuple(layout.count(s) for s in range(stages)))
+
+
+def _recv_f(stage: Stage) -> tuple[tuple[str, int], ...]:
+    return tuple((i.name, i.source) for i in stage.inputs if isinstance(i.source, int))
+
+
+def _send_f(stage: Stage) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((o.name, tuple(c for c in o.consumers if isinstance(c, int))) for o in stage.outputs if any(isinstance(c, int) for c in o.consumers))
+
+
+def _model_outputs(stage: Stage) -> tuple[str, ...]:
+    return tuple(o.name for o in stage.outputs if "model" in o.consumers)
 
 
 def _ensure_replicas(layout: Layout, stages: int) -> None:
@@ -151,5 +180,35 @@ def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None
                            recompute=False, origin=f"model {model.graph.name or '<model>'}")
     # The reference runs each backward whole whatever the pipeline's schedule: same sums, in micro-batch order.
     row = add_communication(build(config.schedule if config.schedule in SCHEDULES else "1f1b", 1, config.microbatches))
-    inputs = tuple(i for i in g.inputs)
-    return StageSpec(0, g, Wiring(inputs, (), (), (), ()), row[0], config.microbatches, config.optimizer, config.threads)
+    wiring = Wiring(tuple(g.inputs), (), (), (), (), model_outputs=(*g.outputs, loss))
+    return StageSpec(0, g, wiring, row[0], config.microbatches, config.optimizer, config.threads,
+                     forward_actions=_forward_rows(1, config.microbatches, Layout())[0])
+
+
+def prepare_inference(directory: str | Path, manifest: Manifest, microbatches: int,
+                      threads: tuple[int, ...] | None = None) -> tuple[StageSpec, ...]:
+    """The stage files as they are (their weights inside, nothing trained), forward only over
+    `microbatches` micro-batches: one worker per stage."""
+    directory = Path(directory)
+    k = len(manifest.stages)
+    rows = _forward_rows(k, microbatches, Layout())
+    specs = []
+    for st in manifest.stages:
+        graphs = StageGraphs(forward=_read_stage(directory / st.file).SerializeToString(), backward=None, inputs=tuple(i.name for i in st.inputs),
+                             outputs=tuple(o.name for o in st.outputs), params=(), trained=(), grad_inputs=(), grad_outputs=(),
+                             stash=(), backward_inputs=(), loss=None, recompute=False, initial={})
+        wiring = Wiring(model_inputs=tuple(i.name for i in st.inputs if i.source == "model"),
+                        recv_f=_recv_f(st), send_f=_send_f(st), recv_b=(), send_b=(), model_outputs=_model_outputs(st))
+        specs.append(StageSpec(st.index, graphs, wiring, (), microbatches, OptimizerConfig(),
+                               threads[st.index] if threads else 1, forward_actions=rows[st.index]))
+    return tuple(specs)
+
+
+def stage_threads(manifest: Manifest, target: str | None = None) -> tuple[int, ...]:
+    """Intra-op threads per stage: its devices' `threads` in the target (default: the one the stages
+    were planned for, named in the manifest); 1 where the target has none or cannot be found."""
+    try:
+        by_name = {d.name: d for d in load_target(target or manifest.target).devices}
+    except OnnxpipeError:
+        return tuple(1 for _ in manifest.stages)
+    return tuple(max(1, max((by_name[d].threads for d in st.devices if d in by_name), default=1)) for st in manifest.stages)

@@ -1,18 +1,23 @@
 """One stage at run time: its sessions, weights, gradient sums and stash (`StageRunner`), and the
-interpreter of its lowered schedule row (`StageProgram`), identical in-process and in a worker.
+interpreter of its lowered schedule rows (`StageProgram`), and a worker's side of the driver protocol
+(`StageServer`): identical in-process, in a worker process and in any other backend.
 
 A replicated stage runs one worker per replica (`StageSpec.replica`, `Layout`): each runs its own
 micro-batches, sends to and receives from the replica of the neighbouring stage that owns the same
 micro-batch, and at STEP sums its gradients with every other holder of the same weights (its
 replicas and, for tied weights, every replica of the other stages holding a copy).
 
-Reading order: `Wiring` -> `StageSpec` -> `StageRunner` (forward, backward, step) -> `StageProgram`.
+Training runs the row `StageSpec.actions`; inference (and evaluation) runs `StageSpec.forward_actions`
+through the same program, forward only, keeping the outputs the driver collects.
+
+Reading order: `Wiring` -> `StageSpec` -> `StageRunner` (forward, backward, step) -> `StageProgram`
+-> `StageServer`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,11 +26,12 @@ from onnxpipe.ortutil import cpu_session
 from onnxpipe.schedule import Action
 from onnxpipe.train.graphs import StageGraphs, grad_input_name, grad_name
 from onnxpipe.train.layout import Layout
+from onnxpipe.train.messages import Command, GetState, Infer, Outputs, Reply, SetState, State, StepDone, Timing, Train
 from onnxpipe.train.optimizer import Optimizer, OptimizerConfig
 from onnxpipe.train.splitgrad import SplitBackward
 from onnxpipe.train.transport import Transport, grad_key, shared_key
 
-__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "make_session", "mean_loss", "post_inputs"]
+__all__ = ["Wiring", "StageSpec", "StageRunner", "StageProgram", "StageServer", "make_session", "mean_loss", "post_inputs"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class Wiring:
     send_b: tuple[tuple[str, int], ...]
     #: Tied parameters and the other stages holding a copy.
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: Outputs the driver collects from a forward-only row: model outputs made here, and the loss.
+    model_outputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class StageSpec:
     index: int
     graphs: StageGraphs
     wiring: Wiring
-    #: This stage's row of the lowered schedule table.
+    #: This stage's row of the lowered training schedule table (empty for an inference-only stage).
     actions: tuple[Action, ...]
     #: Micro-batches per step over all replicas (gradients are means over all of them).
     microbatches: int
@@ -64,6 +72,8 @@ class StageSpec:
     layout: Layout = Layout()
     #: The backward as B and W (`splitgrad`) when the schedule has W actions; None: B runs it whole.
     split: SplitBackward | None = None
+    #: This stage's row of the lowered forward-only table over the same micro-batches (`schedule.forward_only`).
+    forward_actions: tuple[Action, ...] = ()
 
     @property
     def worker(self) -> int:
@@ -212,7 +222,11 @@ class StageProgram:
         self.runner = runner
         self.transport = transport
         self.trace: list[Action] = []
-        self.timings: list[tuple[str, int, float, float]] = []
+        self.timings: list[Timing] = []
+        #: Whether F runs the training forward (stash kept, loss recorded) or inference; see `begin`.
+        self.training = True
+        #: Inference: per micro-batch, the `Wiring.model_outputs` of its forward (see `take_outputs`).
+        self.outputs: dict[int, dict[str, np.ndarray]] = {}
         self._inbox: dict[int, dict[str, np.ndarray]] = {}
         self._outbox: dict[int, dict[str, np.ndarray]] = {}
         self._grads_in: dict[int, dict[str, np.ndarray]] = {}
@@ -242,9 +256,20 @@ class StageProgram:
             self._send_shared()
         return all(self.transport.ready(k, i) for k, i in self.needs(action))
 
-    def take_timings(self) -> list[tuple[str, int, float, float]]:
+    def begin(self, training: bool) -> tuple[Action, ...]:
+        """The row to run next: the training row, or the forward-only row (inference)."""
+        self.training = training
+        spec = self.runner.spec
+        return spec.actions if training else spec.forward_actions
+
+    def take_timings(self) -> list[Timing]:
         """The timings recorded since the last call (one step's worth when called after each step)."""
         out, self.timings = self.timings, []
+        return out
+
+    def take_outputs(self) -> dict[int, dict[str, np.ndarray]]:
+        """The collected outputs since the last call, by micro-batch."""
+        out, self.outputs = self.outputs, {}
         return out
 
     def perform(self, action: Action) -> None:
@@ -261,7 +286,9 @@ class StageProgram:
         elif action.op == "F":
             feeds = self._inbox.pop(i, {})
             feeds.update({t: self.transport.recv(t, i) for t in w.model_inputs})
-            self._outbox[i] = r.forward(i, feeds)
+            self._outbox[i] = out = r.forward(i, feeds, train=self.training)
+            if not self.training:
+                self.outputs[i] = {t: out[t] for t in w.model_outputs if t in out}
             if not w.send_f:
                 self._outbox.pop(i)
         elif action.op == "SEND_F":
@@ -307,6 +334,45 @@ class StageProgram:
                     if h != mine:
                         self.transport.send(h, shared_key(p, mine), -1, self._sent[p])
         return self._sent
+
+
+class StageServer:
+    """A worker's side of the driver protocol (`messages`): builds the stage, says which actions a command
+    runs, and answers it. Every backend drives it the same way: `row(command)`, perform each action
+    (blocking on the transport, or cooperatively with `program.ready`), then send `reply(command)`."""
+
+    def __init__(self, spec: StageSpec, transport: Transport, rss: Callable[[], int] = lambda: 0) -> None:
+        self.runner = StageRunner(spec)
+        self.program = StageProgram(self.runner, transport)
+        self.transport = transport
+        self._rss = rss
+        self._before = (0.0, 0.0, 0.0)
+
+    def row(self, command: Command) -> tuple[Action, ...]:
+        """The actions `command` runs, in order (none for state commands)."""
+        if isinstance(command, (Train, Infer)):
+            t = self.transport
+            self._before = (self.runner.busy_seconds, t.copy_seconds, t.copy_cpu_seconds)
+            return self.program.begin(isinstance(command, Train))
+        return ()
+
+    def reply(self, command: Command) -> Reply:
+        """The answer to `command` once its row ran."""
+        me, r, t = self.runner.spec.worker, self.runner, self.transport
+        if isinstance(command, Train):
+            busy, copy, cpu = self._before
+            return StepDone(me, r.take_losses(), r.busy_seconds - busy, t.copy_seconds - copy, t.copy_cpu_seconds - cpu,
+                            r.peak_stash_bytes, self._rss(), tuple(self.program.take_timings()))
+        if isinstance(command, Infer):
+            self.program.take_timings()
+            return Outputs(me, self.program.take_outputs())
+        if isinstance(command, GetState):
+            return State(me, {k: v.copy() for k, v in r.params.items()}, {k: np.array(v) for k, v in r.optimizer.state().items()})
+        if isinstance(command, SetState):
+            r.params = {k: np.array(v) for k, v in command.params.items()}
+            r.optimizer.load_state(command.optimizer)
+            return State(me, {}, {})
+        raise TypeError(f"no reply to {command!r}")
 
 
 def post_inputs(driver: Transport, specs: Sequence[StageSpec], microbatches: Sequence[Mapping[str, np.ndarray]]) -> None:

@@ -1,19 +1,13 @@
-"""The measured timeline of a training step in the simulator's event format, and the report that sets
-it beside the simulated one (`onnxpipe train --report`)."""
+"""The measured timeline of a training step in the simulator's event format (`report.write_report`
+sets it beside the simulated one)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from onnxpipe.simulate import Event
 
-if TYPE_CHECKING:
-    from onnxpipe.train.pipeline import Pipeline
-
-__all__ = ["step_events", "write_report"]
+__all__ = ["step_events"]
 
 #: Executor ops as timeline kinds: a RECV bar spans waiting for the data and copying it out.
 _KINDS = {"F": "F", "B": "B", "W": "W", "RECV_F": "RECV", "RECV_B": "RECV", "SEND_F": "SEND", "SEND_B": "SEND", "STEP": "STEP"}
@@ -29,13 +23,3 @@ def step_events(start: float, timings: Sequence[Sequence[tuple[str, int, float, 
         for w, rows in enumerate(timings)
         for op, mb, t0, t1 in rows
     )
-
-
-def write_report(pipeline: Pipeline, path: str | os.PathLike, target: str) -> tuple[Path, ...]:
-    """The plan's report with the simulated step (the run's schedule and micro-batches) and the last measured step."""
-    from onnxpipe import report
-    from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
-
-    plan = read_plan(pipeline.directory)
-    sim = simulate_plan(plan, plan_target(plan, target), schedule=pipeline.config.schedule, microbatches=pipeline.config.microbatches)
-    return report.write(path, plan, sim, measured=pipeline.last_events)

@@ -4,16 +4,21 @@ Keys name what travels: a tensor name for activations and model inputs, `grad_ke
 gradients. `LocalTransport` keeps arrays in dicts (one process); `ShmTransport` copies them
 through one shared-memory slot per (destination, key, micro-batch), created on first use and
 reused every step, and signals with a small header on the destination's pipe (`make_inboxes`).
-A multi-host backend only has to offer the same three methods.
+A backend for other hosts only has to offer the same three methods and the two counters.
+
+Segments are mapped directly (`_Segment`), outside Python's resource tracker: no tracker process to
+outlive a run or warn about segments other processes own. Their owner unlinks them; `sweep_segments`
+removes what a dead worker (or a killed driver: `leftovers`) left.
 """
 
 from __future__ import annotations
 
 import fcntl
 import marshal
+import mmap
+import os
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +54,12 @@ class PeerGone(RuntimeError):
 
 
 class Transport(Protocol):
+    """How one worker (or the driver, address -1) moves tensors. `recv` blocks until the tensor is there;
+    `ready` says whether it would; the counters add up the seconds spent in send and recv."""
+
+    copy_seconds: float
+    copy_cpu_seconds: float
+
     def send(self, dst: int, key: str, microbatch: int, array: np.ndarray) -> None: ...
 
     def recv(self, key: str, microbatch: int) -> np.ndarray: ...
@@ -62,6 +73,8 @@ class LocalTransport:
     def __init__(self, inboxes: dict[int, dict[tuple[str, int], np.ndarray]], me: int) -> None:
         self.inboxes = inboxes
         self.me = me
+        self.copy_seconds = 0.0
+        self.copy_cpu_seconds = 0.0
 
     def send(self, dst: int, key: str, microbatch: int, array: np.ndarray) -> None:
         self.inboxes.setdefault(dst, {})[(key, microbatch)] = array
@@ -84,12 +97,39 @@ def make_inboxes(ctx: Any, count: int) -> list[Inbox]:
     return inboxes
 
 
+class _Segment:
+    """A POSIX shared-memory segment mapped into this process: made by its sender (`size`), mapped
+    read-only by its receiver."""
+
+    __slots__ = ("name", "size", "_map", "buf")
+
+    def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
+        from _posixshmem import shm_open  # type: ignore[import-not-found]
+
+        fd = shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if create else 0))
+        finally:
+            os.close(fd)
+        self.name, self.size = name, size
+        self.buf = memoryview(self._map)
+
+    def close(self) -> None:
+        """Unmap (BufferError while arrays still view it)."""
+        self.buf.release()
+        self._map.close()
+
+
 class _Slot:
     """A sender's segment for one (destination, key, micro-batch), with its header and the array view it writes through."""
 
     __slots__ = ("seg", "header", "shape", "dtype", "view")
 
-    def __init__(self, seg: shared_memory.SharedMemory, header: bytes, shape: tuple[int, ...], dtype: np.dtype, view: np.ndarray) -> None:
+    def __init__(self, seg: _Segment, header: bytes, shape: tuple[int, ...], dtype: np.dtype, view: np.ndarray) -> None:
         self.seg, self.header, self.shape, self.dtype, self.view = seg, header, shape, dtype, view
 
 
@@ -106,7 +146,7 @@ class ShmTransport:
         self.alive = alive
         self._slots: dict[tuple[int, str, int], _Slot] = {}
         self._made = 0
-        self._attached: dict[str, shared_memory.SharedMemory] = {}
+        self._attached: dict[str, _Segment] = {}
         self._arrived: dict[tuple[str, int], tuple[str, tuple[int, ...], str]] = {}
         #: Seconds spent in send and recv (copy into shared memory, signal, map): wall clock, and this
         #: thread's CPU time (the cost itself, without the preemption a loaded machine adds to the wall clock).
@@ -131,11 +171,10 @@ class ShmTransport:
         seg = self._attached.get(name)
         if seg is None:
             try:
-                seg = self._attached[name] = _untracked(shared_memory.SharedMemory(name=name))
+                seg = self._attached[name] = _Segment(name)
             except FileNotFoundError as exc:
                 raise PeerGone(f"the sender of {key!r} (micro-batch {microbatch}) is gone") from exc
-        out = np.ndarray(shape, np.dtype(dtype), buffer=seg.buf)
-        out.flags.writeable = False
+        out = np.ndarray(shape, np.dtype(dtype), buffer=seg.buf)  # read-only, as its mapping
         self.copy_seconds += time.perf_counter() - start
         self.copy_cpu_seconds += time.thread_time() - cpu
         return out
@@ -156,7 +195,7 @@ class ShmTransport:
                 del old.view
                 old.seg.close()
                 _unlink(old.seg.name)
-            seg = _untracked(shared_memory.SharedMemory(name=f"{self.prefix}{self.me}_{dst}_{self._made}", create=True, size=max(array.nbytes, 1)))
+            seg = _Segment(f"{self.prefix}{self.me}_{dst}_{self._made}", max(array.nbytes, 1), create=True)
             self._made += 1
         header = marshal.dumps((key, microbatch, seg.name, tuple(array.shape), array.dtype.str))
         if len(header) > _ATOMIC_WRITE - 8:
@@ -185,13 +224,6 @@ class ShmTransport:
             _unlink(slot.seg.name)
         self._attached.clear()
         self._slots.clear()
-
-
-def _untracked(seg: shared_memory.SharedMemory) -> shared_memory.SharedMemory:
-    """Segments are unlinked by their owner or swept by the driver: keep Python's resource tracker out
-    (it would warn about, or unlink under us, segments other processes own)."""
-    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-    return seg
 
 
 def _unlink(name: str) -> None:

@@ -1,10 +1,10 @@
-"""The body of one worker process (a stage, or one replica of it): build the runner, then serve the driver's commands.
+"""The body of one worker process (a stage, or one replica of it): receive its spec, build the stage,
+then serve the driver's commands (`messages`) with a `StageServer`.
 
-Commands (driver -> worker queue): ("step",), ("evaluate", n), ("get",), ("set", params, state), ("stop",).
-Replies (one shared results queue): ("ready"|"done"|"outputs"|"state"|"error", worker, ...). An error
-carries `time.monotonic()` of the failure (system-wide on Linux) and whether it is a consequence of
-another stage's failure (`PeerGone`), so the driver can name the root cause.
-`current` (shared ints: op code, micro-batch) tells the driver where a worker was if it dies.
+It starts with SIGINT ignored (set by the driver before the spawn and inherited through exec, so even
+a Ctrl-C during its imports cannot print a traceback): the driver owns Ctrl-C and stops the workers.
+`current` (shared ints per worker: op code, micro-batch, actions done) tells the driver where a worker
+was if it dies, and that workers make progress.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 import traceback
 from typing import Any
 
-from onnxpipe.train.stage import StageProgram, StageRunner, StageSpec
+from onnxpipe.train.messages import Failed, Ready, Stop
+from onnxpipe.train.stage import StageServer, StageSpec
 from onnxpipe.train.transport import PeerGone, ShmTransport
 
 __all__ = ["worker_main", "OPS", "peak_rss_bytes"]
@@ -25,7 +26,9 @@ __all__ = ["worker_main", "OPS", "peak_rss_bytes"]
 _PR_SET_PDEATHSIG = 1
 
 #: Op codes written to the shared `current` array; index 0 means idle.
-OPS = ("idle", "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "STEP", "setup", "evaluate", "W")
+OPS = ("idle", "RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "STEP", "setup", "W")
+#: Shared ints per worker in `current`.
+SLOTS = 3
 
 
 def peak_rss_bytes() -> int:
@@ -49,59 +52,40 @@ def _die_with_parent() -> None:
         pass
 
 
-def worker_main(spec: StageSpec, inboxes: Any, commands: Any, results: Any, prefix: str, current: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and shuts workers down
+def worker_main(worker: int, commands: Any, replies: Any, inboxes: Any, prefix: str, current: Any) -> None:
+    """Serve until `Stop`, the driver's end of `commands` closing, or a failure (reported as `Failed`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     parent = os.getppid()
-    me = spec.worker
-    transport = ShmTransport(prefix, inboxes, me, alive=lambda: os.getppid() == parent)
-    mark = (me * 2, me * 2 + 1)
+    base = worker * SLOTS
     try:
-        current[mark[0]] = OPS.index("setup")
-        runner = StageRunner(spec)
-        program = StageProgram(runner, transport)
-        current[mark[0]] = 0
-        results.put(("ready", me))
-        while True:
-            cmd = commands.get()
-            if cmd[0] == "stop":
-                break
-            if cmd[0] == "step":
-                busy0, copy0, cpu0 = runner.busy_seconds, transport.copy_seconds, transport.copy_cpu_seconds
-                for action in spec.actions:
-                    current[mark[0]], current[mark[1]] = OPS.index(action.op), action.microbatch
-                    program.perform(action)
-                current[mark[0]] = 0
-                results.put(("done", me, runner.take_losses(), runner.busy_seconds - busy0, transport.copy_seconds - copy0,
-                             runner.peak_stash_bytes, peak_rss_bytes(), program.take_timings(), transport.copy_cpu_seconds - cpu0))
-            elif cmd[0] == "evaluate":
-                outputs = []
-                for i in range(cmd[1]):
-                    if spec.layout.owner(spec.index, i) != me:
-                        continue
-                    current[mark[0]], current[mark[1]] = OPS.index("evaluate"), i
-                    feeds = {t: transport.recv(t, i) for t, _ in spec.wiring.recv_f}
-                    feeds.update({t: transport.recv(t, i) for t in spec.wiring.model_inputs})
-                    out = runner.forward(i, feeds, train=False)
-                    for t, dsts in spec.wiring.send_f:
-                        for dst in dsts:
-                            transport.send(spec.layout.owner(dst, i), t, i, out[t])
-                    outputs.append((i, out))
-                current[mark[0]] = 0
-                results.put(("outputs", me, outputs))
-            elif cmd[0] == "get":
-                results.put(("state", me, runner.params, runner.optimizer.state()))
-            elif cmd[0] == "set":
-                runner.params = {k: v.copy() for k, v in cmd[1].items()}
-                runner.optimizer.load_state(cmd[2])
-                results.put(("state", me, {}, {}))
-    except SystemExit:
+        spec: StageSpec = commands.recv()
+    except (EOFError, OSError):  # the driver is gone before it sent the spec
+        return
+    transport = ShmTransport(prefix, inboxes, worker, alive=lambda: os.getppid() == parent)
+    try:
+        current[base] = OPS.index("setup")
+        server = StageServer(spec, transport, rss=peak_rss_bytes)
+        current[base] = 0
+        replies.send(Ready(worker))
+        while not isinstance(command := commands.recv(), Stop):
+            for action in server.row(command):
+                current[base], current[base + 1] = OPS.index(action.op), action.microbatch
+                server.program.perform(action)
+                current[base + 2] += 1
+            current[base] = 0
+            replies.send(server.reply(command))
+    except (SystemExit, EOFError, BrokenPipeError):  # the driver is gone: nobody to tell
         pass
     except BaseException as exc:  # report anything, then exit: the driver turns it into one line
         failed_at = time.monotonic()
-        op, mb = current[mark[0]], current[mark[1]]
-        detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        results.put(("error", me, OPS[op] if 0 <= op < len(OPS) else "?", mb, detail, traceback.format_exc(),
-                     failed_at, isinstance(exc, PeerGone)))
+        op, mb = current[base], current[base + 1]
+        message = str(exc).strip()
+        detail = f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+        try:
+            replies.send(Failed(worker, OPS[op] if 0 <= op < len(OPS) else "?", mb, detail, traceback.format_exc(),
+                                failed_at, isinstance(exc, PeerGone)))
+        except OSError:
+            pass
     finally:
         transport.close()

@@ -1,0 +1,210 @@
+"""The default backend: one spawned worker process per stage replica (`worker.worker_main`), tensors
+through shared memory (`ShmTransport`), commands and replies over a pair of pipes per worker.
+
+Nothing here can block the driver on a worker: each worker's commands (its spec first, ~the stage's
+size) are written by a sender thread of its own, its replies read by a reader thread into one queue,
+and the driver's end of every pipe a worker reads is its only other end, so a dead worker breaks it.
+Workers start with SIGINT ignored (inherited through exec): Ctrl-C goes to the driver alone.
+
+Reading order: `ProcessBackend` (start, command, replies, health, close) -> `ProcessPipeline`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from onnxpipe.train.executor import Executor, Failure
+from onnxpipe.train.leftovers import segment_prefix
+from onnxpipe.train.messages import Command, Reply, Stop
+from onnxpipe.train.stage import StageSpec
+from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
+from onnxpipe.train.worker import OPS, SLOTS, worker_main
+
+__all__ = ["ProcessBackend", "ProcessPipeline"]
+
+#: Seconds a worker may stay stopped (SIGSTOP, a debugger) before the run fails.
+STOPPED_SECONDS = 5.0
+#: Seconds `close` waits for workers to stop by themselves, then after a signal.
+_STOP_WAIT = 2.0
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Processes spawned in this block start with SIGINT ignored (an ignored signal stays ignored
+    through exec, so Python's own handler is never installed in them). A Ctrl-C meanwhile is held
+    (blocked, not lost) and reaches the driver when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _Sender(threading.Thread):
+    """Writes one worker's commands in order; a dead worker's broken pipe ends it quietly."""
+
+    def __init__(self, conn: Any, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.conn = conn
+        self.outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            try:
+                self.conn.send(item)
+            except (OSError, ValueError):
+                return
+
+
+def _read_replies(conn: Any, into: queue.SimpleQueue[Reply]) -> None:
+    """Forward one worker's replies into the driver's queue until the worker's end closes."""
+    while True:
+        try:
+            into.put(conn.recv())
+        except (EOFError, OSError, ValueError):
+            return
+
+
+def _process_state(pid: int | None) -> str:
+    """The kernel's one-letter state of a process ("R", "S", "T" stopped, ...), "" when unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class ProcessBackend:
+    """Spawned workers on this host (see the module docstring)."""
+
+    def __init__(self, specs: Sequence[StageSpec]) -> None:
+        ctx = mp.get_context("spawn")
+        k = len(specs)
+        self.prefix = segment_prefix()
+        self._inboxes = make_inboxes(ctx, k)
+        self._current = ctx.Array("i", SLOTS * k, lock=False)
+        self.driver = ShmTransport(self.prefix + "d", self._inboxes, -1)
+        self._replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        self._procs: list[Any] = []
+        self._senders: list[_Sender] = []
+        self._readers: list[Any] = []
+        self._stopped: dict[int, float] = {}
+        self._closed = False
+        try:
+            for spec in specs:
+                self._start(ctx, spec)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    def _start(self, ctx: Any, spec: StageSpec) -> None:
+        w = spec.worker
+        their_commands, commands = ctx.Pipe(duplex=False)
+        replies, their_replies = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=worker_main, name=f"onnxpipe-stage-{spec.index}-{spec.replica}", daemon=True,
+                           args=(w, their_commands, their_replies, self._inboxes, self.prefix, self._current))
+        with _sigint_ignored():
+            proc.start()
+        self._procs.append(proc)
+        their_commands.close()  # the worker's ends live in the worker only: its death breaks the pipes
+        their_replies.close()
+        sender = _Sender(commands, f"onnxpipe-send-{w}")
+        sender.start()
+        self._senders.append(sender)
+        self._readers.append(replies)
+        threading.Thread(target=_read_replies, args=(replies, self._replies), name=f"onnxpipe-read-{w}", daemon=True).start()
+        sender.outbox.put(spec)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def command(self, worker: int, command: Command) -> None:
+        self._senders[worker].outbox.put(command)
+
+    def replies(self, timeout: float) -> list[Reply]:
+        try:
+            out = [self._replies.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._replies.get_nowait())
+            except queue.Empty:
+                return out
+
+    def health(self) -> list[Failure]:
+        now = time.monotonic()
+        bad = []
+        for w, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                bad.append(Failure(w, None, f"worker exited with code {proc.exitcode}", now))
+            elif _process_state(proc.pid) in ("T", "t"):
+                since = self._stopped.setdefault(w, now)
+                if now - since >= STOPPED_SECONDS:
+                    bad.append(Failure(w, None, f"worker process {proc.pid} is stopped (SIGSTOP, or a debugger holds it) "
+                                                f"for {now - since:.0f} s; continue it with `kill -CONT {proc.pid}` and rerun", now))
+            else:
+                self._stopped.pop(w, None)
+        return bad
+
+    def progress(self) -> int:
+        return sum(self._current[w * SLOTS + 2] for w in range(len(self._procs)))
+
+    def where(self, worker: int) -> tuple[str, int]:
+        code = self._current[worker * SLOTS]
+        return (OPS[code] if 0 <= code < len(OPS) else "?", self._current[worker * SLOTS + 1])
+
+    def close(self, force: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for sender in self._senders:
+                sender.outbox.put(Stop())
+            deadline = time.monotonic() + _STOP_WAIT
+            for p in self._procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()  # SIGKILL: ends a stopped worker too
+        for p in self._procs:
+            p.join()
+        for sender in self._senders:
+            sender.outbox.put(None)
+            sender.conn.close()
+        for conn in self._readers:
+            conn.close()
+        self.driver.close()
+        sweep_segments(self.prefix)
+        for ends in self._inboxes:
+            for end in ends:
+                end.close()
+
+
+class ProcessPipeline(Executor):
+    """The executor on spawned worker processes."""
+
+    def __init__(self, specs: Sequence[StageSpec], **deadlines: float) -> None:
+        super().__init__(specs, ProcessBackend, **deadlines)
+
+    @property
+    def pids(self) -> list[int]:
+        return self.backend.pids  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def segment_prefix(self) -> str:
+        """Name prefix of every shared-memory segment of this pipeline."""
+        return self.backend.prefix  # type: ignore[attr-defined, no-any-return]
