@@ -362,7 +362,7 @@ CASES = [
     Case("force-over-a-fake-manifest", both(copy("mlp.onnx"), write("d/manifest.json", "{}")), ("split", "mlp.onnx", "-t", "fpga4", "-o", "d", "--force"),
          r"d: its manifest\.json is not an onnxpipe manifest; --force replaces only a stage directory"),
     Case("stage-fails-in-onnxruntime", edited_stages(_broken_gemm), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
-         r"stage 1 \(stage_1\.onnx\) failed in onnxruntime: .*re-split", ("o.npz",)),
+         r"stage 1 \(stage_1\.onnx\) failed at micro-batch 0 \(forward\): .*Gemm.*re-split", ("o.npz",)),
     Case("batch-zero", copy("mlp.onnx"), ("plan", "mlp.onnx", "-t", "fpga4", "--batch", "0", "-o", "p.json"), r"--batch 0: must be 1 or more",
          ("p.json",)),
     Case("stages-zero", copy("mlp.onnx"), ("split", "mlp.onnx", "-t", "fpga4", "--stages", "0", "-o", "out"), r"--stages 0: must be 1 or more", ("out",)),

@@ -362,7 +362,7 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
 
     timer = threading.Timer(0.3, kill)
     timer.start()
-    with pytest.raises(OnnxpipeError, match=r"stage 1 failed.*exited with code -9"):
+    with pytest.raises(OnnxpipeError, match=r"stage 1 \(stage_1\.onnx\) failed.*exited with code -9"):
         for _ in range(100000):
             pipe.train_step(data)
     assert killed and time.monotonic() - killed[0] < 5.0
@@ -378,7 +378,7 @@ def test_worker_error_names_stage_microbatch_and_phase() -> None:
     data[2]["input_ids"] = data[2]["input_ids"] + 10_000  # out of the vocabulary: Gather fails in stage 0
     with ProcessPipeline(prepare_stages(directory, manifest, config)) as pipe:
         pids, prefix = pipe.pids, pipe.segment_prefix
-        with pytest.raises(OnnxpipeError, match=r"stage 0 failed at micro-batch 2 \(forward\): .*"):
+        with pytest.raises(OnnxpipeError, match=r"stage 0 \(stage_0\.onnx\) failed at micro-batch 2 \(forward\): .*"):
             pipe.train_step(data)
     assert not _alive(pids) and not _segments(prefix)
 

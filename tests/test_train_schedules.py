@@ -38,7 +38,7 @@ def test_new_schedules_with_adamw_match_unpartitioned(name: str, schedule: str, 
 
 @pytest.mark.parametrize(("name", "schedule", "k"), [("gpt2-tiny", "zb-h1", 3), ("resnet-tiny", "zb-v", 4)])
 def test_worker_processes_run_the_new_schedules(name: str, schedule: str, k: int) -> None:
-    from onnxpipe.train.executor import ProcessPipeline
+    from onnxpipe.train.processes import ProcessPipeline
 
     directory, manifest = stage_dir(name, k)
     config = TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD)

@@ -262,7 +262,7 @@ class Executor:
         at = f" at micro-batch {mb}" if op not in ("setup", "idle", "STEP", "?") and mb >= 0 else ""
         spec = self.specs[failure.worker]
         replicas = spec.layout.count(spec.index)
-        who = f"stage {spec.index}" + (f" (replica {spec.replica} of {replicas})" if replicas > 1 else "")
+        who = f"stage {spec.index}" + (f" ({spec.file})" if spec.file else "") + (f" (replica {spec.replica} of {replicas})" if replicas > 1 else "")
         raise OnnxpipeError(f"{who} failed{at} ({PHASES.get(op, op)}): {failure.error}")
 
 

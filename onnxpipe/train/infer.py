@@ -39,7 +39,10 @@ def run_pipeline(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], 
         sweep_dead_runs()
     engine: Executor = ProcessPipeline(specs) if processes else LocalPipeline(specs)
     with engine:
-        per_mb = engine.infer(slices)
+        try:
+            per_mb = engine.infer(slices)
+        except OnnxpipeError as exc:  # the stage files are run as they are: a bad file or bad values in the inputs
+            raise OnnxpipeError(f"{exc}; check the inputs' values, or re-split the model with `onnxpipe split`") from exc
     return join_microbatches(per_mb, [o.name for o in manifest.outputs])
 
 

@@ -128,7 +128,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
         for j in range(layout.count(st.index)):
             w = layout.worker(st.index, j)
             specs.append(StageSpec(st.index, g, wiring, rows[w], config.microbatches, config.optimizer,
-                                   threads[st.index] if threads else config.threads, j, layout, halves, forward_rows[w]))
+                                   threads[st.index] if threads else config.threads, j, layout, halves, forward_rows[w], st.file))
     return tuple(specs)
 
 
@@ -200,7 +200,7 @@ def prepare_inference(directory: str | Path, manifest: Manifest, microbatches: i
         wiring = Wiring(model_inputs=tuple(i.name for i in st.inputs if i.source == "model"),
                         recv_f=_recv_f(st), send_f=_send_f(st), recv_b=(), send_b=(), model_outputs=_model_outputs(st))
         specs.append(StageSpec(st.index, graphs, wiring, (), microbatches, OptimizerConfig(),
-                               threads[st.index] if threads else 1, forward_actions=rows[st.index]))
+                               threads[st.index] if threads else 1, forward_actions=rows[st.index], file=st.file))
     return tuple(specs)
 
 

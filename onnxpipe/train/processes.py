@@ -65,7 +65,7 @@ class _Sender(threading.Thread):
         while (item := self.outbox.get()) is not None:
             try:
                 self.conn.send(item)
-            except (OSError, ValueError):
+            except Exception:  # the worker is gone (a broken pipe) or the driver closed the pipe under it
                 return
 
 
@@ -74,7 +74,7 @@ def _read_replies(conn: Any, into: queue.SimpleQueue[Reply]) -> None:
     while True:
         try:
             into.put(conn.recv())
-        except (EOFError, OSError, ValueError):
+        except Exception:  # the worker's end closed (EOFError), or the driver closed this end
             return
 
 
@@ -182,8 +182,9 @@ class ProcessBackend:
                 p.kill()  # SIGKILL: ends a stopped worker too
         for p in self._procs:
             p.join()
-        for sender in self._senders:
+        for sender in self._senders:  # every worker is gone: a send in progress ends with a broken pipe
             sender.outbox.put(None)
+            sender.join(_STOP_WAIT)
             sender.conn.close()
         for conn in self._readers:
             conn.close()

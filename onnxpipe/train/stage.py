@@ -74,6 +74,8 @@ class StageSpec:
     split: SplitBackward | None = None
     #: This stage's row of the lowered forward-only table over the same micro-batches (`schedule.forward_only`).
     forward_actions: tuple[Action, ...] = ()
+    #: The stage file it was built from (for messages); empty for the whole model.
+    file: str = ""
 
     @property
     def worker(self) -> int:
