@@ -50,7 +50,15 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     for node in graph.node:
         if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
             values[node.output[0]] = node.attribute[0].t
-    return {name: numpy_helper.to_array(t) for name, t in values.items() if len(t.dims) <= 1}
+    return {name: numpy_helper.to_array(t) for name, t in values.items() if len(t.dims) <= 1 and _has_values(t)}
+
+
+def _has_values(tensor: onnx.TensorProto) -> bool:
+    """Whether the tensor's values are in memory: not a weight left on disk (an external-data reference)
+    nor one whose bytes were left out of a light copy."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return False
+    return tensor.HasField("raw_data") or any(len(getattr(tensor, f)) for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"))
 
 
 def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -22,14 +22,12 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from onnxpipe.nodes import RANDOM_OPS, has_subgraph, subgraph_captures
-from onnxpipe.protostream import skeleton
+from onnxpipe.protostream import ON_DISK_BYTES, skeleton
 
 __all__ = ["Inferred", "infer", "static_shape", "FOLD_ELEMENTS", "STANDARD_DOMAINS"]
 
 #: A value is folded to a constant only when it has at most this many elements (shapes, indices, small masks).
 FOLD_ELEMENTS = 1 << 16
-#: Initializers larger than this are given to shape inference as dims without bytes.
-_LIFT_BYTES = 4096
 #: Rounds of inference + folding; each round can only add known values, real exports settle in 2-3.
 _MAX_ROUNDS = 8
 STANDARD_DOMAINS = ("", "ai.onnx")
@@ -143,7 +141,7 @@ def _probe(model: onnx.ModelProto) -> onnx.ModelProto:
     probe.graph.CopyFrom(skeleton(model.graph, "initializer"))
     del probe.graph.value_info[:]
     for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL or _nbytes(t) > _LIFT_BYTES:
+        if t.data_location == onnx.TensorProto.EXTERNAL or _nbytes(t) > ON_DISK_BYTES:
             probe.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
         else:
             probe.graph.initializer.append(t)
@@ -158,7 +156,7 @@ def _nbytes(t: onnx.TensorProto) -> int:
 
 def _small_constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
-            if t.data_location != onnx.TensorProto.EXTERNAL and _nbytes(t) <= _LIFT_BYTES and math.prod(t.dims) <= FOLD_ELEMENTS}
+            if t.data_location != onnx.TensorProto.EXTERNAL and _nbytes(t) <= ON_DISK_BYTES and math.prod(t.dims) <= FOLD_ELEMENTS}
 
 
 def _fold_pass(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, int],

@@ -50,6 +50,8 @@ EXPORTS = {
     "gpt2-xl": {},
 }
 EXPORT_TARGETS = ("gpu4", "hetero", "fpga4")
+#: The rows of the last --exports runs, so rerunning some exports keeps the others' (beside the exports).
+EXPORTS_ROWS = EXPORTS_DIR / "bench_plan_rows.json"
 TARGETS = ("fpga4", "gpu4", "hetero")
 STAGES = (2, 4, 8)
 BIG = "transformer-10k"
@@ -251,7 +253,12 @@ def main() -> None:
     args = parser.parse_args()
     start = os.getloadavg()[0]
     if args.exports:
-        rows = run_exports([m for m in args.only.split(",") if m])
+        names = [m for m in args.only.split(",") if m]
+        rows = run_exports(names)
+        kept = json.loads(EXPORTS_ROWS.read_text()) if EXPORTS_ROWS.exists() else []
+        rows = [r for r in kept if r["model"] not in names] + rows  # a rerun of some exports keeps the others' rows
+        rows.sort(key=lambda r: list(EXPORTS).index(r["model"]) if r["model"] in EXPORTS else len(EXPORTS))
+        EXPORTS_ROWS.write_text(json.dumps(rows))
         text = report_exports(rows, (start, os.getloadavg()[0]))
         print(text)
         write_section(EXPORTS_SECTION, text)
