@@ -133,3 +133,24 @@ def test_folding_rules_agree_with_onnx_reference(op: str, inputs: list[np.ndarra
     want = ReferenceEvaluator(node).run(None, dict(zip(names, inputs)))[0]
     got = evaluate(node, inputs, 18)[0]
     assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_checks_before_training_never_read_weights_left_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-D weight over 4 KiB stays on disk; the gradient check's constant reading skips it, from any
+    working directory (it used to read it relative to the working directory and fail)."""
+    from onnxpipe.gradients import missing_gradients
+
+    bias = numpy_helper.from_array(np.ones(2048, np.float32), "bias")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "bias"], ["h"], name="add"), helper.make_node("Relu", ["h"], ["y"], name="act")],
+        "biased", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2048])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "model").mkdir()
+    onnx.save(model, str(tmp_path / "model" / "m.onnx"))
+    monkeypatch.chdir(tmp_path)
+    g = load(tmp_path / "model" / "m.onnx")
+    assert next(t for t in g.model.graph.initializer if t.name == "bias").data_location == onnx.TensorProto.EXTERNAL
+    assert not missing_gradients(g.model)
