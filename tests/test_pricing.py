@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from onnxpipe.cost import annotate
 from onnxpipe.graph import load
+from onnxpipe.models import build
 from onnxpipe.plan import evaluate, simulate_plan
 from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.cpsat import _NS, _Model
@@ -121,21 +122,19 @@ def test_the_dp_prices_a_stage_as_the_rule(case: RandomModel, target: Target, da
             assert math.isinf(dp(total * (1 - 1e-9)))
 
 
-@given(random_models(), targets(groups=2), st.data())
-def test_cpsat_prices_a_layout_as_the_rule(case: RandomModel, target: Target, data: st.DataObject) -> None:
-    """CP-SAT held to one layout: its objective is `price`'s bottleneck, each term rounded up to whole
-    nanoseconds; it finds the layout feasible under a capacity of `price`'s fullest stage plus its KiB
-    rounding, and infeasible just below that stage's memory."""
-    problem, k = setup(case, target, data)
-    bounds, groups, replicas, recompute = data.draw(layouts(problem, k))
+def assert_cpsat_prices_as_the_rule(problem: Problem, bounds: list[int], groups: list[int], replicas: list[int], recompute: list[bool]) -> None:
+    """CP-SAT held to one layout: each stage's time (the sum of the stage times minimised) and its objective
+    (the bottleneck) are `price`'s, each term rounded up to whole nanoseconds; it finds the layout feasible
+    under a capacity of `price`'s fullest stage plus its KiB rounding, and infeasible just below that stage's memory."""
+    from ortools.sat.python import cp_model
+
+    k = len(groups)
     costs = priced(problem, bounds, groups, replicas, recompute)
     blocks = coarsen(problem, problem.n)
     fullest = max(c.memory.total for c in costs)
     terms = problem.n + len(blocks.nbytes) * k + 4
 
-    def solve(capacity: float) -> tuple[str, float]:
-        from ortools.sat.python import cp_model
-
+    def solve(capacity: float, each: bool = False) -> tuple[str, list[float]]:
         model = _Model(dataclasses.replace(problem, capacity=np.full(len(problem.groups), capacity)), blocks, k, "auto", True, 0.0, math.inf)
         stage_of = np.repeat(np.arange(k), np.diff(bounds))
         for b in range(blocks.count):
@@ -144,18 +143,46 @@ def test_cpsat_prices_a_layout_as_the_rule(case: RandomModel, target: Target, da
         for s in range(k):
             model.cp.Add(model.y[s][model.options.index((groups[s], replicas[s]))] == 1)
             model.cp.Add(model.rc[s] == int(costs[s].recompute))
+        if each:
+            model.cp.Minimize(sum(model.stage_ns))
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.max_time_in_seconds = 30
         status = solver.Solve(model.cp)
-        return solver.StatusName(status), solver.ObjectiveValue() / _NS if status == cp_model.OPTIMAL else math.inf
+        if status != cp_model.OPTIMAL:
+            return solver.StatusName(status), []
+        return "OPTIMAL", [solver.Value(t) / _NS for t in model.stage_ns] if each else [solver.ObjectiveValue() / _NS]
 
-    status, objective = solve(fullest + 1024.0 * (terms + 1))
-    assert status == "OPTIMAL"
-    bottleneck = max(c.seconds_per_microbatch(problem.microbatches) for c in costs)
-    assert bottleneck * (1 - 1e-9) <= objective <= bottleneck * (1 + 1e-9) + terms * 1e-9
+    def near(got: float, want: float) -> bool:
+        return want * (1 - 1e-9) <= got <= want * (1 + 1e-9) + terms * 1e-9
+
+    capacity = fullest + 1024.0 * (terms + 1)
+    status, (objective,) = solve(capacity)
+    assert status == "OPTIMAL" and near(objective, max(c.seconds_per_microbatch(problem.microbatches) for c in costs))
+    status, stages = solve(capacity, each=True)
+    assert status == "OPTIMAL" and all(near(got, c.seconds_per_microbatch(problem.microbatches)) for got, c in zip(stages, costs)), (stages, costs)
     if fullest > 2048:
         assert solve(fullest * (1 - 1e-6) - 1024.0)[0] == "INFEASIBLE"
+
+
+@given(random_models(), targets(groups=2), st.data())
+def test_cpsat_prices_a_layout_as_the_rule(case: RandomModel, target: Target, data: st.DataObject) -> None:
+    problem, k = setup(case, target, data)
+    assert_cpsat_prices_as_the_rule(problem, *data.draw(layouts(problem, k)))
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_cpsat_prices_replicated_stages_across_groups_as_the_rule(mode: str) -> None:
+    """The zoo's perceptron on two groups of two devices, both stages replicated, messages across the groups."""
+    graph = load(build("mlp"))
+    target = Target("two", "two groups of two", tuple(
+        Device(name=f"d{g}_{i}", group=f"d{g}", kind="gpu", peak_flops=MappingProxyType({"float32": 1e12 * (g + 1)}), memory_bytes=1e12,
+               memory_bandwidth=1e11, efficiency=MappingProxyType({"default": 0.5}), op_overhead=1e-6) for g in range(2) for i in range(2)),
+        (Link(("d0", "d0"), 5e10, 2e-6, "switch"), Link(("d0", "d1"), 1e9, 1e-5, "switch"), Link(("d1", "d1"), 5e10, 2e-6, "switch")), False, "<test>")
+    problem = build_problem(graph, annotate(graph), target, batch=graph.batch * 4, microbatches=4, mode=mode)
+    half = problem.n // 2
+    for recompute in ([False, False], [True, False]):
+        assert_cpsat_prices_as_the_rule(problem, [0, half, problem.n], [0, 1], [2, 2], recompute)
 
 
 @given(random_models(), targets(groups=2), st.data())

@@ -165,6 +165,8 @@ class _Model:
             self.went_to.append(went)
             self.sent_to.append(sent)
         self.bottleneck = cp.NewIntVar(min(int(math.floor(floor * _NS)), self.most_ns), self.most_ns, "T")
+        #: Per stage: its time in nanoseconds (at least: the model only bounds them by the bottleneck).
+        self.stage_ns: list[cp_model.LinearExpr] = []
         self._stage_constraints(recompute)
         cp.Minimize(self.bottleneck)
 
@@ -210,7 +212,8 @@ class _Model:
                 cp.AddImplication(self.x[b][s], holds[s])
         for s in range(k):
             comp, comm_in, comm_out, ar = (cp.NewIntVar(0, self.most_ns, "") for _ in range(4))
-            cp.Add(self.bottleneck >= comp + comm_in + comm_out + ar)
+            self.stage_ns.append(comp + comm_in + comm_out + ar)
+            cp.Add(self.bottleneck >= self.stage_ns[-1])
             for o, (g, r) in enumerate(self.options):
                 y = self.y[s][o]
                 for rc in (False, True):
