@@ -43,6 +43,11 @@ def test_stages_go_where_the_schedule_places_them(schedule: str, tmp_path) -> No
     again = simulate_plan(Plan.read(tmp_path / "plan.json"), load_target("fpga4"))
     assert again.iteration_seconds == pytest.approx(p.iteration_seconds)
     assert again.schedule == schedule and len(again.devices) == 8
+    # Memory as the planner assumes it: a device's simulated peak within the sum of its stages' planned peaks.
+    for s in p.stages:
+        planned_device = sum(t.memory.total for t in p.stages if t.devices == s.devices)
+        assert again.peak_memory_bytes[s.index] <= planned_device * (1 + 1e-9)
+        assert again.peak_memory_bytes[s.index] >= max(t.memory.static for t in p.stages if t.devices == s.devices)
 
 
 def test_interleaving_beats_1f1b_at_m_equal_k_on_fpga4() -> None:
