@@ -253,10 +253,10 @@ def main() -> None:
     args = parser.parse_args()
     start = os.getloadavg()[0]
     if args.exports:
-        names = [m for m in args.only.split(",") if m]
-        rows = run_exports(names)
+        chosen = [m for m in args.only.split(",") if m]
+        rows = run_exports(chosen)
         kept = json.loads(EXPORTS_ROWS.read_text()) if EXPORTS_ROWS.exists() else []
-        rows = [r for r in kept if r["model"] not in names] + rows  # a rerun of some exports keeps the others' rows
+        rows = [r for r in kept if r["model"] not in chosen] + rows  # a rerun of some exports keeps the others' rows
         rows.sort(key=lambda r: list(EXPORTS).index(r["model"]) if r["model"] in EXPORTS else len(EXPORTS))
         EXPORTS_ROWS.write_text(json.dumps(rows))
         text = report_exports(rows, (start, os.getloadavg()[0]))
