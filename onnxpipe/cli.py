@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +35,45 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show full traceback
 EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERNAL = 1, 2, 3
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be, so a terminated command cleans up as an interrupted one does."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """While a command runs in the main thread, SIGTERM raises `Terminated`; the previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn OnnxpipeError and OSError (a path that cannot be read or written) into one line on stderr and
-    exit code 2, Ctrl-C into exit code 130, and any other failure into a one-line internal error with
+    exit code 2, Ctrl-C into exit code 130 (SIGTERM: 143, after the same clean-up), and any other failure into a one-line internal error with
     exit code 3; `--debug` re-raises them all with their tracebacks. Python warnings (numpy's
     overflow and invalid-value notes) stay off stderr unless `--debug`."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _terminate_as_interrupt():
                 if not _state["debug"]:
                     warnings.simplefilter("ignore")
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, typer.exceptions.TyperException):
             raise
+        except Terminated:
+            err_console.print("[bold red]terminated[/]")
+            sys.exit(143)
         except OnnxpipeError as exc:
             _fail(exc, str(exc), EXIT_BAD_INPUT)
         except OSError as exc:

@@ -1,6 +1,8 @@
 """Fault injection: a full disk or an interruption while writing stages or checkpoints leaves the
 previous state exactly as it was and no temporary files; a corrupted checkpoint is refused on
-`--resume` from the command line.
+`--resume` from the command line. Process faults: a worker that dies at start-up, mid-run or stops,
+a driver terminated or killed, and two runs on one checkpoint directory end in one line each, leave
+nothing behind, and the next run sweeps what a killed one could not.
 
 Covered elsewhere, not repeated here: a worker killed mid-step fails training within 5 s and leaves
 no process or shared-memory segment behind (tests/test_train.py::test_killed_worker_fails_fast_naming_the_stage);
@@ -14,8 +16,13 @@ import errno
 import hashlib
 import importlib
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -167,3 +174,158 @@ def test_corrupted_checkpoint_is_refused_on_resume(stage_dir: Path, tmp_path: Pa
     assert len(err.splitlines()) == 1 and "Traceback" not in result.stderr
     assert "stage_2.npz: checkpoint file is missing or corrupted (sha256 mismatch)" in err
     assert npz.read_bytes() == bytes(data), "the corrupted checkpoint was overwritten"
+
+
+def test_resume_recovers_an_interrupted_directory_swap(stage_dir: Path, tmp_path: Path) -> None:
+    from onnxpipe.train.fit import data_source, fit
+
+    ck = tmp_path / "ck"
+    with _trained(stage_dir, 3) as whole:
+        full = list(whole.losses)
+    with _trained(stage_dir, 2, ck):
+        pass
+    os.replace(ck, tmp_path / ".ck.old4194999")  # killed between the swap's two renames: the checkpoint sits beside
+    (tmp_path / ".ck.x1y2.tmp").mkdir()  # and a write that never finished
+    (tmp_path / ".ck.x1y2.tmp" / "stage_0.npz").write_bytes(b"PK\x03\x04partial")
+    with _trained(stage_dir, 0) as pipe:
+        losses = fit(pipe, data_source(pipe, "synthetic", seed=1), 3, checkpoint_dir=str(ck), every=1, resume=True)
+    assert losses == full, "resume did not continue from the checkpoint beside the directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "leftovers of the swap were not removed"
+
+
+# --- dying processes and signals ------------------------------------------------------------
+
+CLI = [sys.executable, "-m", "onnxpipe"]
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _workers(pid: int) -> list[int]:
+    """The worker processes among `pid`'s children (not multiprocessing's resource tracker)."""
+    found = []
+    for child in _children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+
+
+def _segments(pid: int) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"onnxpipe_{pid}_*"))
+
+
+def _until(condition: Callable[[], object], what: str, seconds: float = 120.0) -> None:
+    """Wait for an event of another process (a start-up on a loaded machine takes what it takes)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """gpt2-tiny and its 2 stages: a stage spec of some 600 KB, more than a pipe holds."""
+    root = tmp_path_factory.mktemp("gpt2")
+    onnx.save(models.build("gpt2-tiny", train=True), str(root / "gpt2.onnx"))
+    graph, _, _, plan = plan_model(root / "gpt2.onnx", "cpu2", stages=2, time_limit=5)
+    split_module.split(graph, plan, root / "stages")
+    return root / "gpt2.onnx", root / "stages"
+
+
+def test_worker_dying_at_start_up_fails_the_start(gpt2: tuple[Path, Path]) -> None:
+    from onnxpipe.train.pipeline import Pipeline
+
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            Pipeline(gpt2[1], microbatches=2).close()
+        except BaseException as exc:  # noqa: BLE001 - the outcome is asserted below
+            outcome.append(exc)
+
+    driver = threading.Thread(target=start, daemon=True)
+    driver.start()
+    _until(lambda: _workers(os.getpid()), "a worker started", 120)
+    victim = _workers(os.getpid())[0]
+    os.kill(victim, signal.SIGKILL)  # in its first second: still reading its setup
+    driver.join(120)
+    assert not driver.is_alive(), "the driver hung on a worker that died at start-up"
+    assert outcome and isinstance(outcome[0], OnnxpipeError), outcome
+    assert re.fullmatch(r"stage \d \(stage_\d\.onnx\) failed \(setup\): worker exited with code -9", str(outcome[0]))
+    _until(lambda: not _workers(os.getpid()), "every worker stopped", 10)
+    assert not _segments(os.getpid())
+
+
+def test_stopped_worker_fails_the_run_naming_it(gpt2: tuple[Path, Path]) -> None:
+    from onnxpipe.train.fit import data_source
+    from onnxpipe.train.pipeline import Pipeline
+
+    with Pipeline(gpt2[1], microbatches=2) as pipe:
+        batch = data_source(pipe, "synthetic").batch(0)
+        pipe.train_step(batch)
+        pids = pipe.engine.pids  # type: ignore[union-attr]
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(OnnxpipeError, match=rf"stage 1 \(stage_1\.onnx\) failed .*worker process {pids[1]} is stopped"):
+            for _ in range(10000):
+                pipe.train_step(batch)
+    assert not _alive(pids) and not _segments(os.getpid())
+
+
+def _start_training(model: Path, tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.Popen([*CLI, "train", str(model), "--stages", "2", "--batch", "16", "--microbatches", "2", "--steps", "100000", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+
+
+def _temp_dirs(tmp_path: Path, pid: int) -> list[Path]:
+    return list((tmp_path / "tmp").glob(f"onnxpipe-train-{pid}-*"))
+
+
+def test_second_run_on_a_checkpoint_directory_is_refused_and_sigterm_cleans_up(gpt2: tuple[Path, Path], tmp_path: Path) -> None:
+    first = _start_training(gpt2[0], tmp_path, "--checkpoint-dir", "ck", "--checkpoint-every", "1")
+    _until(lambda: (tmp_path / "ck" / "checkpoint.json").is_file() or first.poll() is not None, "a first checkpoint")
+    assert first.poll() is None, first.communicate()[1]
+    workers = _workers(first.pid)
+    second = subprocess.run([*CLI, "train", str(gpt2[1]), "--microbatches", "2", "--steps", "3", "--checkpoint-dir", "ck", "--checkpoint-every", "1"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
+    assert f"ck: another run (pid {first.pid}) is using this checkpoint directory" in second.stderr
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 143 and "terminated" in err and "Traceback" not in err, err
+    _until(lambda: not _alive(workers), "the workers of a terminated driver stopped", 10)
+    assert not _segments(first.pid) and not _temp_dirs(tmp_path, first.pid)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "tmp"]
+
+
+def test_leftovers_of_a_killed_driver_are_swept_by_the_next_run(gpt2: tuple[Path, Path], tmp_path: Path) -> None:
+    killed = _start_training(gpt2[0], tmp_path)
+    _until(lambda: _segments(killed.pid) or killed.poll() is not None, "a first step")
+    assert killed.poll() is None, killed.communicate()[1]
+    workers = _workers(killed.pid)
+    killed.kill()
+    killed.communicate(timeout=60)
+    _until(lambda: not _alive(workers), "the workers of a killed driver died with it", 10)
+    assert _segments(killed.pid) and _temp_dirs(tmp_path, killed.pid), "nothing left to sweep: the test proves nothing"
+    after = subprocess.run([*CLI, "train", str(gpt2[1]), "--microbatches", "2", "--steps", "1"], capture_output=True, text=True,
+                           cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")}, timeout=300)
+    assert after.returncode == 0, after.stderr
+    assert not _segments(killed.pid) and not _temp_dirs(tmp_path, killed.pid)

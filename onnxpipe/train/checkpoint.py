@@ -5,13 +5,15 @@ replaces the previous checkpoint directory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path, swap_in
 from onnxpipe.safepath import inside
 
-__all__ = ["StageState", "ensure_checkpoint_dir", "save_checkpoint", "load_checkpoint"]
+__all__ = ["StageState", "ensure_checkpoint_dir", "hold_checkpoint_dir", "save_checkpoint", "load_checkpoint"]
 
 #: (parameters, optimizer state) of one stage.
 StageState = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
@@ -44,11 +46,76 @@ def _write_atomic(path: Path, write: Any) -> None:
 
 
 def ensure_checkpoint_dir(directory: str | os.PathLike) -> None:
-    """Fail before training starts, not at the first checkpoint, when `directory` cannot take checkpoints."""
-    root = Path(directory)
+    """Fail before training starts, not at the first checkpoint, when `directory` cannot take checkpoints:
+    another run holds it, it holds other files, or it cannot be written. An interrupted directory swap
+    left beside it is recovered on the way (`hold_checkpoint_dir`)."""
+    with hold_checkpoint_dir(directory):
+        _ensure_usable(Path(directory))
+
+
+def _ensure_usable(root: Path) -> None:
     if root.exists() and (not root.is_dir() or any(not _CHECKPOINT_FILE.match(p.name) for p in root.iterdir())):
         raise OnnxpipeError(f"{root}: holds files other than a checkpoint; give --checkpoint-dir a directory of its own")
     _fresh_beside(root).rmdir()
+
+
+@contextlib.contextmanager
+def hold_checkpoint_dir(directory: str | os.PathLike) -> Iterator[Path]:
+    """Hold `directory` for one run: an exclusive lock on `.NAME.lock` beside it (the kernel releases it
+    when its holder dies, SIGKILL included; removed on release), then recover what an interrupted swap
+    of it left (`_recover_swap`). A second run gets one line naming the holder's PID."""
+    root = Path(directory)
+    parent = root.absolute().parent
+    lock_path = parent / f".{root.name}.lock"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise OnnxpipeError(f"{root}: another run (pid {holder}) is using this checkpoint directory; "
+                                    "wait for it to end or choose another --checkpoint-dir") from None
+            try:  # the file we locked may have been released and removed meanwhile: lock the one in place
+                if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+    except OSError as exc:
+        raise OnnxpipeError(f"{root}: cannot write a checkpoint there ({exc.strerror}); choose a writable --checkpoint-dir") from exc
+    try:
+        _recover_swap(root)
+        yield root
+    finally:
+        with contextlib.suppress(OSError):
+            lock_path.unlink()
+        os.close(fd)
+
+
+def _recover_swap(root: Path) -> None:
+    """Directories a killed writer left beside `root` (`.NAME.old<pid>` of a swap, `.NAME.*.tmp` being
+    written): when `root` has no checkpoint, the newest complete one among them takes its place; the
+    rest are removed. Call with the directory held."""
+    parent = root.absolute().parent
+    left = [p for p in (*parent.glob(f".{root.name}.old*"), *parent.glob(f".{root.name}.*.tmp")) if p.is_dir() and not p.is_symlink()]
+    if not left:
+        return
+    if not (root / "checkpoint.json").is_file() and (not root.exists() or (root.is_dir() and not any(root.iterdir()))):
+        complete = []
+        for candidate in left:
+            with contextlib.suppress(OnnxpipeError, OSError, ValueError):
+                complete.append((load_checkpoint(candidate)[0], candidate))
+        if complete:
+            if root.exists():
+                root.rmdir()
+            os.replace(max(complete, key=lambda c: c[0])[1], root)
+    for candidate in left:
+        shutil.rmtree(candidate, ignore_errors=True)
 
 
 def _fresh_beside(root: Path) -> Path:
@@ -66,7 +133,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[St
     All or nothing: the files go to a fresh directory beside `directory`, which then takes its place;
     an interrupted or failed write leaves the previous checkpoint as it was."""
     root = Path(directory)
-    ensure_checkpoint_dir(root)
+    _ensure_usable(root)
     tmp = _fresh_beside(root)
     try:
         entries = []

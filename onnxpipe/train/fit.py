@@ -3,11 +3,13 @@ check against unpartitioned training."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
 import onnx
 
+from onnxpipe.train.checkpoint import hold_checkpoint_dir
 from onnxpipe.train.data import BatchSource, SyntheticData, open_data
 from onnxpipe.train.pipeline import Pipeline
 
@@ -47,15 +49,17 @@ def data_source(pipeline: Pipeline, data: str, seed: int = 0) -> BatchSource:
 
 def fit(pipeline: Pipeline, source: BatchSource, steps: int, *, checkpoint_dir: str | None = None, every: int = 0,
         resume: bool = False, on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """Train until `steps` steps are done (continuing a checkpoint with `resume`); returns every step's loss."""
-    if resume and checkpoint_dir:  # a missing checkpoint is an error, never a silent start at step 0
-        pipeline.load(checkpoint_dir)
-    while pipeline.step < steps:
-        loss = pipeline.train_step(source.batch(pipeline.step))
-        if on_step:
-            on_step(pipeline.step, loss)
-        if checkpoint_dir and every and (pipeline.step % every == 0 or pipeline.step == steps):
-            pipeline.save(checkpoint_dir)
+    """Train until `steps` steps are done (continuing a checkpoint with `resume`); returns every step's loss.
+    The checkpoint directory is held for the whole run (`hold_checkpoint_dir`): a second run fails at once."""
+    with hold_checkpoint_dir(checkpoint_dir) if checkpoint_dir else contextlib.nullcontext():
+        if resume and checkpoint_dir:  # a missing checkpoint is an error, never a silent start at step 0
+            pipeline.load(checkpoint_dir)
+        while pipeline.step < steps:
+            loss = pipeline.train_step(source.batch(pipeline.step))
+            if on_step:
+                on_step(pipeline.step, loss)
+            if checkpoint_dir and every and (pipeline.step % every == 0 or pipeline.step == steps):
+                pipeline.save(checkpoint_dir)
     return list(pipeline.losses)
 
 

@@ -95,6 +95,8 @@ class ProcessBackend:
         self.prefix = segment_prefix()
         self._inboxes = make_inboxes(ctx, k)
         self._current = ctx.Array("i", SLOTS * k, lock=False)
+        for w in range(k):  # a worker that dies before it says anything died in setup
+            self._current[w * SLOTS] = OPS.index("setup")
         self.driver = ShmTransport(self.prefix + "d", self._inboxes, -1)
         self._replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self._procs: list[Any] = []
