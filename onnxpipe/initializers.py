@@ -13,6 +13,7 @@ Reading order: `SharedInitializer` -> `TieChoice` -> `shared_initializers` (clas
 from __future__ import annotations
 
 import ast
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.protostream import all_equal
 
 __all__ = ["SharedInitializer", "TieChoice", "KINDS", "shared_initializers", "untie", "untie_in_place", "module_of", "describe"]
 
@@ -92,16 +94,13 @@ def _is_weight(tensor: onnx.TensorProto) -> bool:
 
 def _constant_valued(tensor: onnx.TensorProto, base_dir: str | os.PathLike | None) -> bool:
     """Every element equal (ones, zeros, a fill): what a fresh model's norms and biases hold. A weight
-    on disk is read from `base_dir` into a copy (the model keeps only its reference)."""
+    on disk is read from `base_dir` chunk by chunk (the model keeps only its reference)."""
     try:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             if base_dir is None:
                 return False
-            head = onnx.TensorProto()
-            head.CopyFrom(tensor)
-            values = numpy_helper.to_array(head, str(base_dir))
-        else:
-            values = numpy_helper.to_array(tensor)
+            return math.prod(tensor.dims) > 1 and all_equal(tensor, base_dir)
+        values = numpy_helper.to_array(tensor)
     except Exception:  # external data not beside the model: unknown, so not a merge
         return False
     return values.size > 1 and bool(np.all(values == values.flat[0]))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+import numpy as np
 import onnx
 from google.protobuf.message import Message
 from onnx import helper
@@ -27,7 +28,7 @@ from onnx import helper
 from onnxpipe.safepath import ensure_external_data_inside
 
 __all__ = ["read_model", "read_header", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
-           "is_external", "raw_nbytes", "ON_DISK_BYTES"]
+           "is_external", "raw_nbytes", "all_equal", "ON_DISK_BYTES"]
 
 #: Weights larger than this stay on disk when a model is read; smaller ones (shape tables, scalars) are read.
 ON_DISK_BYTES = 4096
@@ -174,6 +175,27 @@ def _reference(f: BinaryIO, end: int, location: str) -> onnx.TensorProto:
 def is_external(tensor: onnx.TensorProto) -> bool:
     """Whether the tensor's bytes are on disk (an external-data reference)."""
     return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def all_equal(tensor: onnx.TensorProto, base_dir: str | os.PathLike, chunk: int = 1 << 24) -> bool:
+    """Whether every element of an on-disk tensor equals its first, read from disk in chunks (never the
+    whole tensor in memory)."""
+    place = {e.key: e.value for e in tensor.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    length = int(place.get("length", raw_nbytes(tensor)))
+    step = max(dtype.itemsize, chunk - chunk % dtype.itemsize)
+    first = None
+    with open(Path(base_dir) / place["location"], "rb") as f:
+        f.seek(int(place.get("offset", 0)))
+        while length > 0:
+            values = np.frombuffer(f.read(min(step, length)), dtype=dtype)
+            if not len(values):
+                raise EOFError("external data file is shorter than its tensors say")
+            first = values[0] if first is None else first
+            if not np.all(values == first):
+                return False
+            length -= values.nbytes
+    return True
 
 
 def load_weights(model: onnx.ModelProto, base_dir: str | os.PathLike) -> None:

@@ -11,7 +11,7 @@ import pytest
 from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
-from onnxpipe.protostream import ON_DISK_BYTES, inline_external_data, is_external, load_weights, raw_nbytes, read_model, skeleton, write_model
+from onnxpipe.protostream import ON_DISK_BYTES, all_equal, inline_external_data, is_external, load_weights, raw_nbytes, read_model, skeleton, write_model
 
 
 def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -77,3 +77,15 @@ def test_streamed_weights_round_trip(tmp_path: Path, external: bool) -> None:
     assert list(back.graph.node) == list(model.graph.node)
     want, got = initializers(model), initializers(back)
     assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+
+
+def test_all_equal_reads_an_on_disk_tensor_in_chunks(tmp_path: Path) -> None:
+    fill = np.full((300, 7), 0.25, np.float32)
+    mixed = fill.copy()
+    mixed[-1, -1] = 0.5  # differs only in the last chunk
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [], "g", [], [], [onnx.numpy_helper.from_array(fill, "fill"), onnx.numpy_helper.from_array(mixed, "mixed")]))
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    read = {t.name: t for t in read_model(tmp_path / "m.onnx").graph.initializer}
+    assert all(is_external(t) for t in read.values())
+    assert all_equal(read["fill"], tmp_path, chunk=64) and not all_equal(read["mixed"], tmp_path, chunk=64)
