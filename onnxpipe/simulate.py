@@ -270,8 +270,7 @@ class _Cores:
     Beyond that, the workers together keep a 1 / (1 + background) share:
     available = max(cores - background, cores / (1 + background))."""
 
-    def __init__(self, workers: list[tuple[StageCost, str]], target: Target, background: float) -> None:
-        host = target.host or HostModel()
+    def __init__(self, workers: list[tuple[StageCost, str]], target: Target, host: HostModel, background: float) -> None:
         self.cores = max(host.cores - background, host.cores / (1 + background))
         self._cache = host.shared_cache
         self._slice = host.time_slice
@@ -281,7 +280,7 @@ class _Cores:
         self._last: list[int | None] = [None] * self._slots
         self._core: dict[int, int] = {}
         #: Per worker (stage-major): whether it computes on the shared cores.
-        self.shared = tuple(host.cores > 0 and target.device(d).kind == "cpu" for _, d in workers)
+        self.shared = tuple(target.device(d).kind == "cpu" for _, d in workers)
         #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
         self._corun = tuple(c.corun_slowdown for c, _ in workers)
         self._working = tuple(c.memory.static + c.stash for c, _ in workers)
@@ -402,8 +401,15 @@ class _Run:
         self.live = [sum(c.memory.static for t, c in enumerate(stages) if self.row_of[t] == r) for r, _ in self.places]
         self.memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in self.live]
         self.links = _Links(target)
-        self.cores = _Cores([(stages[self._lead[r]], self.device(w)) for w, (r, _) in enumerate(self.places)], target, background)
+        #: The host's shared cores, on a target whose host model has them (cpu workers); None elsewhere.
+        host = target.host
+        workers = [(stages[self._lead[r]], self.device(w)) for w, (r, _) in enumerate(self.places)]
+        self.cores = _Cores(workers, target, host, background) if host is not None and host.cores > 0 else None
         self.now = 0.0
+
+    def shared(self, w: int) -> _Cores | None:
+        """The host's shared cores when the worker computes on them, else None."""
+        return self.cores if self.cores is not None and self.cores.shared[w] else None
 
     def owner(self, stage: int, mb: int) -> int:
         """The worker (replica of `stage`) that runs micro-batch `mb`."""
@@ -429,7 +435,7 @@ class _Run:
             self.step()
             if all(self.cursor[w] == len(self.rows[w]) for w in range(n)):
                 break
-            later = min([t for t in self.free_at if t > self.now] + [self.links.next_time(self.now), self.cores.next_time(self.now)])
+            later = min([t for t in self.free_at if t > self.now] + [self.links.next_time(self.now), self.cores.next_time(self.now) if self.cores else math.inf])
             if math.isinf(later):
                 stuck = next(w for w in range(n) if self.cursor[w] < len(self.rows[w]))
                 raise OnnxpipeError(f"simulation stalled: stage {self._lead[self.places[stuck][0]]} waits forever at {self.rows[stuck][self.cursor[stuck]]}")
@@ -456,8 +462,9 @@ class _Run:
                         break
                     self.cursor[w] += 1
                     progressed = True
-                if self.cores.shared[w] and (waits or self.cursor[w] == len(self.rows[w]) and self.free_at[w] <= self.now):
-                    self.cores.release(self.now, w)
+                cores = self.shared(w)
+                if cores and (waits or self.cursor[w] == len(self.rows[w]) and self.free_at[w] <= self.now):
+                    cores.release(self.now, w)
 
     def act(self, w: int, a: sched.Action) -> bool:
         """Start the worker's next action; False when it must wait (its message has not arrived, or other holders are not at STEP)."""
@@ -534,8 +541,9 @@ class _Run:
 
     def compute(self, w: int, work: float, op: str, mb: int) -> None:
         """Run `work` seconds of the worker's CPU: on the shared cores, or on its own device."""
-        if self.cores.shared[w]:
-            self.cores.start(self.now, w, work, op, mb)
+        cores = self.shared(w)
+        if cores:
+            cores.start(self.now, w, work, op, mb)
             self.free_at[w] = math.inf
         else:
             self.finish(w, op, mb, self.now, self.now + work)
@@ -568,7 +576,7 @@ class _Run:
 
     def advance(self, later: float) -> None:
         """Move time to `later`: finish the actions and transfers done by then."""
-        for w, op, mb, start in self.cores.advance(self.now, later):
+        for w, op, mb, start in self.cores.advance(self.now, later) if self.cores else []:
             self.finish(w, op, mb, start, later)
         for key in self.links.advance(self.now, later):
             self.arrived[key] = later
