@@ -128,6 +128,11 @@ def _warn_missing_gradients(graph: Any) -> None:
                           "`onnxpipe train` will refuse this model", highlight=False)
 
 
+def print_batch(binding: Any, batch: int, microbatches: int) -> None:
+    """The batch convention as applied (`onnxpipe.batching`)."""
+    console.print(escape(binding.describe(batch, microbatches)), highlight=False)
+
+
 def print_shared(shared: Any) -> None:
     """What loading decided about weights read by several nodes (nothing when there are none)."""
     from onnxpipe.initializers import describe
@@ -398,6 +403,7 @@ def split(
 
     from rich.table import Table
 
+    from onnxpipe.batching import bind_batch
     from onnxpipe.graph import load
     from onnxpipe.split import plan_cuts
     from onnxpipe.split import split as split_model
@@ -412,20 +418,24 @@ def split(
     if plan_file:
         from onnxpipe.plan.result import Plan
 
-        graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
         plan = Plan.read(plan_file)
+        binding = bind_batch(model, {**plan.dims, **parse_dims(dim)}, plan.batch, plan.microbatches)
+        graph = load(model, binding.dims, parse_ties(tie, untie), shapes_by_running=shapes_by_running)
     elif cuts:
         from onnxpipe.cost import annotate as annotate_costs
         from onnxpipe.target import load_target
 
-        graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
+        binding = bind_batch(model, parse_dims(dim), batch, microbatches or 1)
+        graph = load(model, binding.dims, parse_ties(tie, untie), shapes_by_running=shapes_by_running)
         plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
     else:
         from onnxpipe.plan import plan_model
 
+        binding = bind_batch(model, parse_dims(dim), batch, microbatches)
         extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
-        graph, _, _, plan = plan_model(model, target, dims=parse_dims(dim), ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
+        graph, _, _, plan = plan_model(model, target, dims=binding.dims, ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
                                        **options, **extra)
+    print_batch(binding, plan.batch, plan.microbatches)
     print_shared(graph.shared)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
@@ -483,11 +493,17 @@ def run(
     microbatches: int = typer.Option(1, "--microbatches", help="Cut the inputs along axis 0 into this many micro-batches and pipeline them."),
 ) -> None:
     """Run a stage directory as an inference pipeline on onnxruntime: one worker process per stage."""
+    import numpy as np
+
     from onnxpipe.chain import read_npz, write_npz
     from onnxpipe.train.infer import run_pipeline
 
     ensure_counts(microbatches=(microbatches, 1))
-    outputs = run_pipeline(directory, read_npz(inputs), microbatches=microbatches)
+    feeds = read_npz(inputs)
+    outputs = run_pipeline(directory, feeds, microbatches=microbatches)
+    rows = next((len(v) for v in feeds.values() if np.ndim(v)), 0)
+    console.print(f"batch {rows} = {microbatches} micro-batch{'es' if microbatches != 1 else ''} of {rows // microbatches} "
+                  "(the stage files' batch)", highlight=False)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
 
@@ -539,6 +555,7 @@ def plan_command(
     """Find balanced pipeline stages for a model on a target, with the lower bound and the solver's gap."""
     from rich.table import Table
 
+    from onnxpipe.batching import bind_batch
     from onnxpipe.plan import compare as compare_baselines
     from onnxpipe.plan import faster_stage_count, fits, plan_model
     from onnxpipe.units import format_bytes
@@ -551,14 +568,17 @@ def plan_command(
         raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
     ensure_counts(stages=(stages, 1), batch=(batch, 1))
     ensure_finite("--time-limit", time_limit)
+    binding = bind_batch(model, parse_dims(dim), batch, mb if isinstance(mb, int) else None)
     with console.status("planning ...") as status:
         graph, costs, tgt, plan = plan_model(
-            model, target, dims=parse_dims(dim), profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
+            model, target, dims=binding.dims, profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
             ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running, mode=mode,
         )
+    print_batch(binding, plan.batch, plan.microbatches)
     print_shared(graph.shared)
-    _warn_missing_gradients(graph)
+    if mode == "training":  # an inference plan needs no gradient
+        _warn_missing_gradients(graph)
     ms = 1e3
     table = Table(title=f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plan.microbatches} micro-batches, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
@@ -611,6 +631,7 @@ def train(
     momentum: float = typer.Option(0.0, "--momentum", help="SGD momentum."),
     loss: str = typer.Option(None, "--loss", help="Append a loss to a model without one: cross_entropy or mse (with --labels)."),
     labels: str = typer.Option(None, "--labels", help="With --loss: OUTPUT=LABELS or OUTPUT (labels input named 'labels')."),
+    class_axis: int = typer.Option(1, "--class-axis", help="With --loss cross_entropy: the axis of the class scores (1 as in PyTorch; -1 for [N, S, vocab])."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto (the plan's), always or never."),
     checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Directory for checkpoints."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps (and after the last)."),
@@ -644,7 +665,7 @@ def train(
         if not (loss and labels):
             raise OnnxpipeError("--loss and --labels go together, e.g. --loss cross_entropy --labels logits=labels")
         output, _, label_name = labels.partition("=")
-        loss_spec = LossSpec(loss, output, label_name or "labels")
+        loss_spec = LossSpec(loss, output, label_name or "labels", class_axis=class_axis)
     if resume and not checkpoint_dir:
         raise OnnxpipeError("--resume needs --checkpoint-dir DIR")
     if checkpoint_dir:
@@ -656,6 +677,10 @@ def train(
         print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
+        if pipe.binding is not None:
+            print_batch(pipe.binding, pipe.batch, microbatches)
+        else:
+            console.print(f"batch {pipe.batch} per iteration = {microbatches} micro-batches of {pipe.batch // microbatches} (the stage files' batch)", highlight=False)
         source = data_source(pipe, data, seed)
         workers = f" on {len(pipe.places)} workers" if len(pipe.places) != pipe.stages else ""
         console.print(f"training {pipe.stages} stages{workers} ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(pipe.target)}", highlight=False)
@@ -718,7 +743,7 @@ def simulate_command(
     plan = read_plan(plan_path)
     sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
     ms = 1e3
-    table = Table(title=f"{len(plan.stages)} stages, {sim.schedule}, {sim.microbatches} micro-batches, batch {sim.batch}")
+    table = Table(title=f"{len(plan.stages)} stages, {sim.schedule}: batch {sim.batch} per iteration = {sim.microbatches} micro-batches of {sim.batch / sim.microbatches:g}")
     for column in ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
     for s, devices in enumerate(sim.devices):

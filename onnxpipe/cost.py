@@ -8,7 +8,9 @@ Forward FLOP formulas live in `cost_formulas`, measured times in `cost_profile`.
 Bytes: a node reads its non-constant inputs plus the float constants it uses (weights are read
 by every reader, shape and index tables are free) and writes its outputs; its activation bytes
 are its outputs. `param_bytes` goes to the first compute node (topological order) that reads a
-float initializer, directly or through a constant chain, so tied weights count once.
+weight, directly or through a constant chain, so tied weights count once. A weight is any constant
+of more than one element at its real bytes: float initializers, int8 ones (a quantized model) and
+tensors that constant subgraphs make (a ConstantOfShape fill).
 
 Backward rule per op class (dY = bytes written, read = bytes read):
 
@@ -34,6 +36,7 @@ an If its costlier branch (only one runs).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -71,7 +74,7 @@ class NodeCost:
     flops: float
     bytes_read: float
     bytes_written: float
-    #: Bytes of the parameters (float initializers) this node is the first reader of.
+    #: Bytes of the weights (constants of more than one element, any dtype) this node is the first reader of.
     param_bytes: float
     #: Bytes of the node's outputs (what a stash keeps for backward).
     activation_bytes: float
@@ -156,19 +159,21 @@ def _is_float(graph: Graph, tensor: str) -> bool:
 
 
 def _first_readers(graph: Graph) -> dict[str, float]:
-    """Parameter bytes per compute node: each float initializer, reached directly or through
-    constant-only nodes (a folded Transpose of a weight), belongs to its first compute reader."""
-    origins: dict[str, frozenset[str]] = {p: frozenset({p}) for p in graph.parameters}
+    """Weight bytes per compute node: each constant of more than one element (an initializer of any
+    dtype, or what a constant subgraph makes from scalars, such as a ConstantOfShape fill), reached
+    directly or through constant-only nodes (a folded Transpose of a weight), belongs to its first compute reader."""
+    origins: dict[str, frozenset[str]] = {t: frozenset({t}) for t in graph.initializers if _is_block(graph, t)}
     for name in graph.order:
         if name in graph.constant_nodes:
             source = frozenset().union(*(origins.get(t, frozenset()) for t in graph.node_inputs(name)))
-            origins.update((o, source) for o in graph.node(name).output if o)
+            for out in (o for o in graph.node(name).output if o):
+                origins[out] = source or (frozenset({out}) if _is_block(graph, out) else frozenset())
     claimed: set[str] = set()
     owned: dict[str, float] = {}
     for name in graph.compute_nodes:
         mine = set().union(*(origins.get(t, frozenset()) for t in graph.node_inputs(name))) - claimed
         claimed |= mine
-        owned[name] = float(sum(graph.tensors[p].nbytes for p in mine))
+        owned[name] = float(sum(graph.tensors[p].nbytes for p in mine if p in graph.tensors))
     return owned
 
 
@@ -181,6 +186,12 @@ def _gradient_tensors(graph: Graph) -> frozenset[str]:
         if any(t in graded for t in graph.node_inputs(name)):
             graded.update(o for o in graph.node(name).output if o)
     return frozenset(graded)
+
+
+def _is_block(graph: Graph, tensor: str) -> bool:
+    """A constant that is data: more than one element, and not int64 (ONNX's type of shapes, axes and indices)."""
+    info = graph.tensors.get(tensor)
+    return info is not None and info.dtype != "int64" and math.prod(info.shape) > 1
 
 
 def _nbytes(graph: Graph, tensor: str) -> int:

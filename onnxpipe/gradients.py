@@ -5,7 +5,7 @@ tensor, a float output), one node of that type is put alone in a tiny model whos
 float outputs, and onnxruntime-training's gradient builder is asked for the gradients of its
 trained inputs. The answer is cached per op type, opset and differentiated inputs, so a model
 asks once per op type. Exporter patterns with a differentiable equivalent are rewritten first
-(`onnxpipe.rewrites`), as training does.
+(`onnxpipe.rewrites`) and opsets below 13 lifted (`onnxpipe.opset`), as training does.
 
 Reading order: `MissingGradient` -> `missing_gradients` -> `ensure_gradients` -> `_probe` -> `_tiny_model`.
 """
@@ -20,6 +20,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.opset import training_opset
 from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, gradient_model, state_inputs
 from onnxpipe.protostream import is_streamable, raw_nbytes, skeleton
 from onnxpipe.rewrites import rewrite_for_training
@@ -67,7 +68,7 @@ def missing_gradients(model: onnx.ModelProto, trained: Iterable[str] | None = No
     """Every op type on a gradient path that onnxruntime-training 1.19.2 cannot differentiate, after
     `rewrite_for_training`. `trained`: the tensors gradients are wanted for (default: the weights,
     every float initializer of more than one element)."""
-    model, _ = rewrite_for_training(_light(model))
+    model, _ = rewrite_for_training(training_opset(_light(model)))
     graph = model.graph
     complete_optional_outputs(graph)  # as training does: LayerNormalization's gradient reads its Mean/InvStdDev
     types = _types(model)

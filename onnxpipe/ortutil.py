@@ -22,7 +22,7 @@ REWRITTEN_OPS = frozenset({"LSTM", "BatchNormalization"})
 REWRITTEN_SUFFIXES = ("_training", "_BatchNormInternal")
 #: Inputs of a node that are state, not weights: BatchNormalization's running mean and variance.
 _STATE_INPUTS = {"BatchNormalization": (3, 4)}
-_OPTIONAL_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2}
+_OPTIONAL_OUTPUTS = {"LayerNormalization": 3, "SoftmaxCrossEntropyLoss": 2, "Dropout": 2}
 #: Optional inputs written out (as "") up to this count: the LSTM gradient reads them by position.
 _OPTIONAL_INPUTS = {"LSTM": 7}
 
@@ -103,7 +103,7 @@ def ort_reason(exc: BaseException) -> str:
 
 
 def complete_optional_outputs(graph) -> None:  # graph: onnx.GraphProto
-    """The gradient builder needs LayerNormalization's Mean/InvStdDev and SoftmaxCrossEntropyLoss's log_prob
+    """The gradient builder needs LayerNormalization's Mean/InvStdDev, SoftmaxCrossEntropyLoss's log_prob and Dropout's mask
     (and LSTM's optional inputs spelled out)."""
     for i, node in enumerate(graph.node):
         node.input.extend([""] * (_OPTIONAL_INPUTS.get(node.op_type, 0) - len(node.input)))

@@ -95,6 +95,11 @@ def split(graph: Graph, plan: Plan, out_dir: str | os.PathLike, *, force: bool =
 def _ensure_plan_fits(graph: Graph, plan: Plan) -> dict[str, int]:
     if plan.fingerprint != graph.fingerprint:
         raise OnnxpipeError(f"the plan was made for another model (fingerprint {plan.fingerprint}, this model's is {graph.fingerprint}); re-plan this model")
+    if graph.inputs and plan.batch != graph.batch * plan.microbatches:
+        raise OnnxpipeError(
+            f"the plan is for batch {plan.batch} in {plan.microbatches} micro-batches of {plan.batch / plan.microbatches:g}, but the stage files "
+            f"would hold the model's batch {graph.batch}: pass --batch {graph.batch * plan.microbatches}, or give a symbolic batch dim its "
+            "value through --batch and --microbatches")
     compute = set(graph.compute_nodes)
     assignment: dict[str, int] = {}
     for stage in plan.stages:

@@ -389,3 +389,18 @@ def test_profile_times_the_backward_of_ops_training_rewrites(name, knobs, op):
     assert rewritten and all(c.measured_backward_seconds is not None and c.measured_backward_seconds > 0 for c in rewritten)
     if op == "LSTM":
         assert all(c.measured_backward_seconds > 2 * c.measured_seconds for c in rewritten)
+
+
+def test_every_weight_counts_at_its_real_bytes() -> None:
+    """An int8 weight behind DequantizeLinear counts its 64 KiB (as stored), and a weight a ConstantOfShape
+    makes from a shape vector counts its 128 KiB; the shape vector itself is no weight."""
+    inits = [numpy_helper.from_array(np.ones((256, 256), np.int8), "w8"), numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+             numpy_helper.from_array(np.array(0, np.int8), "zp"), numpy_helper.from_array(np.array([256, 128], np.int64), "shape")]
+    nodes = [helper.make_node("DequantizeLinear", ["w8", "s", "zp"], ["w"], name="deq"),
+             helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("ConstantOfShape", ["shape"], ["w2"], name="fill", value=numpy_helper.from_array(np.array([0.01], np.float32))),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 128])], inits)
+    costs = annotate(load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)))
+    assert {name: c.param_bytes for name, c in costs.nodes.items()} == {"mm": 256 * 256, "mm2": 256 * 128 * 4}

@@ -11,6 +11,7 @@ import onnx
 
 from onnxpipe.train.checkpoint import hold_checkpoint_dir
 from onnxpipe.train.data import BatchSource, SyntheticData, open_data
+from onnxpipe.train.loss import classes
 from onnxpipe.train.pipeline import Pipeline
 
 __all__ = ["data_source", "index_ranges", "fit", "check"]
@@ -36,7 +37,7 @@ def index_ranges(pipeline: Pipeline) -> dict[str, int]:
     loss = pipeline.config.loss
     if loss is not None and loss.kind == "cross_entropy":
         out = next(o for o in pipeline.manifest.outputs if o.name == loss.output)
-        ranges[loss.labels] = out.shape[-1]
+        ranges[loss.labels] = classes(loss, tuple(out.shape))
     return ranges
 
 

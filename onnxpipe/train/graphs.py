@@ -26,6 +26,7 @@ from onnxpipe.gradients import ensure_gradients
 from onnxpipe.graph import is_weight
 from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, cpu_session, gradient_model, ort_reason, pretraining_rewrite, state_inputs
 from onnxpipe.rewrites import rewrite_for_training
+from onnxpipe.opset import training_opset
 
 __all__ = [
     "StageGraphs",
@@ -101,7 +102,7 @@ def build_stage_graphs(
     stages; grad_outputs: outputs later stages send gradients for; loss: the scalar loss output held here.
     """
     work = onnx.ModelProto()
-    work.CopyFrom(model)
+    work.CopyFrom(training_opset(model, origin))
     inits = {t.name: t for t in work.graph.initializer}
     state = state_inputs(work.graph)
     params = tuple(p for p in dict.fromkeys(params) if p in inits and p not in state and is_trainable_initializer(inits[p]))

@@ -10,14 +10,14 @@ from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
 
-__all__ = ["LossSpec", "LOSSES", "append_loss", "labels_info"]
+__all__ = ["LossSpec", "LOSSES", "append_loss", "labels_info", "classes"]
 
 LOSSES = ("cross_entropy", "mse")
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    #: "cross_entropy" (scores [N, C] or [N, ..., C]; int64 labels without the class axis) or "mse" (float labels, output's shape).
+    #: "cross_entropy" (class scores on `class_axis`; int64 labels: the output's shape without that axis) or "mse" (float labels, output's shape).
     kind: str
     #: The model output the loss reads.
     output: str
@@ -25,10 +25,20 @@ class LossSpec:
     labels: str = "labels"
     #: Name of the new scalar loss output.
     name: str = "onnxpipe/loss"
+    #: Axis of the class scores for cross_entropy: 1, as PyTorch's CrossEntropyLoss and ONNX's
+    #: SoftmaxCrossEntropyLoss read [N, C, d1, ...]; -1 for scores last ([N, S, vocab]).
+    class_axis: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in LOSSES:
             raise OnnxpipeError(f"unknown loss {self.kind!r}; choose one of: {', '.join(LOSSES)}")
+
+
+def _class_axis(spec: LossSpec, rank: int) -> int:
+    axis = spec.class_axis + rank if spec.class_axis < 0 else spec.class_axis
+    if not 1 <= axis < rank:
+        raise OnnxpipeError(f"--class-axis {spec.class_axis}: {spec.output!r} has rank {rank}; the class axis is one of 1..{rank - 1} (or -1 for the last)")
+    return axis
 
 
 def labels_info(spec: LossSpec, output_shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -37,7 +47,16 @@ def labels_info(spec: LossSpec, output_shape: tuple[int, ...]) -> tuple[str, tup
         return "float32", tuple(output_shape)
     if len(output_shape) < 2:
         raise OnnxpipeError(f"--loss cross_entropy needs class scores of rank >= 2 in {spec.output!r} (shape {output_shape}); use --loss mse")
-    return "int64", tuple(output_shape[:-1])
+    axis = _class_axis(spec, len(output_shape))
+    if output_shape[axis] < 2:
+        raise OnnxpipeError(f"--loss cross_entropy: axis {axis} of {spec.output!r} (shape {list(output_shape)}) holds {output_shape[axis]} class; "
+                            "the loss would always be 0: pass the axis of the class scores with --class-axis")
+    return "int64", tuple(output_shape[:axis]) + tuple(output_shape[axis + 1:])
+
+
+def classes(spec: LossSpec, output_shape: tuple[int, ...]) -> int:
+    """How many classes cross_entropy's labels index."""
+    return output_shape[_class_axis(spec, len(output_shape))]
 
 
 def append_loss(model: onnx.ModelProto, spec: LossSpec) -> onnx.ModelProto:
@@ -56,14 +75,15 @@ def append_loss(model: onnx.ModelProto, spec: LossSpec) -> onnx.ModelProto:
     g.input.append(helper.make_tensor_value_info(spec.labels, elem, list(lshape)))
     p = "onnxpipe/loss_"
     if spec.kind == "cross_entropy":
-        flat = helper.make_tensor(f"{p}shape", TensorProto.INT64, [2], [-1, shape[-1]])
-        flat_l = helper.make_tensor(f"{p}lshape", TensorProto.INT64, [1], [-1])
-        g.initializer.extend([flat, flat_l])
-        g.node.extend([
-            helper.make_node("Reshape", [spec.output, f"{p}shape"], [f"{p}scores"], name=f"{p}scores"),
-            helper.make_node("Reshape", [spec.labels, f"{p}lshape"], [f"{p}labels"], name=f"{p}labels"),
-            helper.make_node("SoftmaxCrossEntropyLoss", [f"{p}scores", f"{p}labels"], [spec.name, f"{p}log_prob"], name=f"{p}sce", reduction="mean"),
-        ])
+        # SoftmaxCrossEntropyLoss reads [N, C, d1, ...] scores and [N, d1, ...] labels: scores whose class axis
+        # is elsewhere move it to 1 first (the labels' order already matches)
+        axis = _class_axis(spec, len(shape))
+        scores = spec.output
+        if axis != 1:
+            perm = [0, axis, *(i for i in range(1, len(shape)) if i != axis)]
+            g.node.append(helper.make_node("Transpose", [spec.output], [f"{p}scores"], name=f"{p}scores", perm=perm))
+            scores = f"{p}scores"
+        g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [scores, spec.labels], [spec.name, f"{p}log_prob"], name=f"{p}sce", reduction="mean"))
     else:
         g.node.extend([
             helper.make_node("Sub", [spec.output, spec.labels], [f"{p}diff"], name=f"{p}diff"),

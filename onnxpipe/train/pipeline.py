@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxpipe.batching import BatchBinding, bind_batch, stage_dims
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
 from onnxpipe.gradients import ensure_gradients
@@ -75,6 +76,10 @@ class Pipeline:
         self.engine: Executor | None = None
         #: Shapes static inference cannot find are read off one run on zeros (`onnxpipe.graph.load`).
         self.shapes_by_running = shapes_by_running
+        #: The symbolic dims the stages were cut with (bound from --batch / --microbatches, --dim, or a stage directory's shapes).
+        self.dims: dict[str, int] = dict(dims or {})
+        #: How the model's batch dim was bound (`onnxpipe.batching`); from a stage directory, its stage files' batch.
+        self.binding: BatchBinding | None = None
         #: The model's weights read by several nodes and what was decided (`onnxpipe.initializers`); empty from a stage directory.
         self.shared: tuple[SharedInitializer, ...] = ()
         self.step = 0
@@ -108,7 +113,7 @@ class Pipeline:
                          time_limit: float, ties: TieChoice) -> tuple[Path, Manifest]:
         if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
             manifest = Manifest.read(source)
-            self._model = Path(source) / manifest.model
+            self._model = _beside(Path(source), manifest.model) or Path(source) / manifest.model
             return Path(source), manifest
         from onnxpipe.plan import plan_model
         from onnxpipe.split import split
@@ -117,8 +122,9 @@ class Pipeline:
             raise OnnxpipeError(f"{source}: no such model file or stage directory; pass an .onnx file or a directory written by `onnxpipe split`")
         self._model = source if isinstance(source, onnx.ModelProto) else Path(source)
         m = self.config.microbatches
-        dims = _bind_batch(self._original(), dict(dims or {}), batch, m)
-        graph, _, _, the_plan = plan_model(source, target or DEFAULT_TARGET, dims=dims, stages=stages, microbatches=m,
+        self.binding = bind_batch(self._original(), dims, batch, m)
+        self.dims = self.binding.dims
+        graph, _, _, the_plan = plan_model(source, target or DEFAULT_TARGET, dims=self.dims, stages=stages, microbatches=m,
                                            schedule=self.config.schedule, optimizer=self.config.optimizer.planned_as,
                                            recompute=self.config.recompute, time_limit=time_limit, ties=ties,
                                            shapes_by_running=self.shapes_by_running)
@@ -262,7 +268,9 @@ class Pipeline:
         """The unpartitioned model trained in one process on the same micro-batches (for --check)."""
         from onnxpipe.graph import load
 
-        return LocalPipeline([prepare_single(load(self._original("--check"), ties=self.ties, shapes_by_running=self.shapes_by_running).model, self.config, self.manifest.loss)])
+        model = self._original("--check")
+        dims = self.dims if self.binding is not None else stage_dims(model, {i.name: i.shape for i in self.manifest.inputs})
+        return LocalPipeline([prepare_single(load(model, dims, ties=self.ties, shapes_by_running=self.shapes_by_running).model, self.config, self.manifest.loss)])
 
     def _original(self, purpose: str = "planning") -> onnx.ModelProto:
         """The model the stages were cut from (read when first needed)."""
@@ -282,12 +290,11 @@ class Pipeline:
         return self._model
 
 
-def _bind_batch(model: onnx.ModelProto, dims: dict[str, int], batch: int | None, microbatches: int) -> dict[str, int]:
-    """`dims` with a symbolic leading batch dim bound to the micro-batch (`batch / microbatches`)."""
-    for vi in model.graph.input:
-        shape = vi.type.tensor_type.shape.dim
-        if shape and shape[0].dim_param and shape[0].dim_param not in dims:
-            if batch is None:
-                raise OnnxpipeError(f"input {vi.name!r} has a symbolic batch dim {shape[0].dim_param!r}; pass --batch B (or --dim {shape[0].dim_param}=V)")
-            dims[shape[0].dim_param] = batch // microbatches
-    return dims
+def _beside(directory: Path, recorded: str) -> Path | None:
+    """The model a stage directory was cut from: its recorded path as given (absolute or from here), from
+    the directory, or by name in the directory or beside it."""
+    name = Path(recorded).name
+    for candidate in (Path(recorded), directory / recorded, directory / name, directory.parent / name):
+        if candidate.is_file():
+            return candidate
+    return None

@@ -20,6 +20,7 @@ from onnxpipe.target import load_target
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
+from onnxpipe.opset import training_opset
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.splitgrad import split_backward
 from onnxpipe.train.stage import StageSpec, Wiring
@@ -91,7 +92,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
         path = directory / st.file
         if not path.is_file():
             raise OnnxpipeError(f"{path}: stage file missing; rewrite the directory with `onnxpipe split`")
-        model = _read_stage(path)
+        model = training_opset(_read_stage(path), f"stage {st.index} ({st.file})")
         if config.loss is not None and any(o.name == config.loss.output for o in model.graph.output):
             model = append_loss(model, config.loss)
         models[st.index] = model
@@ -170,6 +171,7 @@ def _ensure_replicas(layout: Layout, stages: int) -> None:
 
 def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None = None) -> StageSpec:
     """The whole model as one stage, trained on the same micro-batches: the reference for pipelined training."""
+    model = training_opset(model)
     if config.loss is not None:
         model = append_loss(model, config.loss)
         loss = config.loss.name

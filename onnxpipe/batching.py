@@ -1,0 +1,122 @@
+"""One batch convention for every command: a symbolic leading dim of the model's inputs is one micro-batch.
+
+`--batch B` is the global batch of one iteration, `--microbatches M` how many micro-batches it is cut
+into, so a symbolic leading (batch) dim is bound to B / M, unless `--dim NAME=V` binds it. A model
+whose leading dim is fixed takes B = M x that dim. split, plan, train (and its --check), and the
+stage directories they write all bind the same way; `BatchBinding.describe` says how, in one line.
+
+Reading order: `BatchBinding` -> `bind_batch` -> `stage_dims`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.protostream import read_header
+
+__all__ = ["BatchBinding", "bind_batch", "stage_dims", "model_inputs"]
+
+
+@dataclass(frozen=True)
+class BatchBinding:
+    """How a model's leading dim was bound."""
+
+    #: Every symbolic dim to load the model with: the user's `--dim`s plus the bound batch dim.
+    dims: dict[str, int] = field(default_factory=dict)
+    #: The micro-batch (the loaded model's leading dim), when known.
+    microbatch: int | None = None
+    #: Micro-batches per iteration, when given.
+    microbatches: int | None = None
+    #: The symbolic leading dim's name, when the model has one.
+    symbol: str | None = None
+    #: True when `--dim` bound it rather than `--batch / --microbatches`.
+    from_dim: bool = False
+
+    def describe(self, batch: int, microbatches: int) -> str:
+        """'batch 8 per iteration = 4 micro-batches of 2 (symbolic dim 'batch' bound to 2 by --batch / --microbatches ...)'."""
+        if self.symbol is not None:
+            how = f"--dim {self.symbol}" if self.from_dim else "--batch / --microbatches (--dim overrides)"
+            source = f"symbolic dim '{self.symbol}' bound to {batch // microbatches} by {how}"
+        else:
+            source = "the model's batch"
+        return f"batch {batch} per iteration = {microbatches} micro-batch{'es' if microbatches != 1 else ''} of {batch // microbatches} ({source})"
+
+
+def model_inputs(source: str | os.PathLike | onnx.ModelProto) -> Sequence[onnx.ValueInfoProto]:
+    """The graph inputs fed by the user (initializers left out), read without the weights' bytes."""
+    model = source if isinstance(source, onnx.ModelProto) else _header(Path(source))
+    inits = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in inits]
+
+
+def _header(path: Path) -> onnx.ModelProto:
+    if not path.is_file():
+        raise OnnxpipeError(f"{path}: no such file; pass the path of an .onnx model")
+    try:
+        return read_header(path)
+    except Exception as exc:  # protobuf raises several unrelated types on garbage
+        raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete") from exc
+
+
+def _leading(inputs: Sequence[onnx.ValueInfoProto]) -> tuple[str | None, int | None]:
+    """The first input's leading dim: (symbol, None) or (None, fixed size); (None, None) without one."""
+    for vi in inputs:
+        dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else ()
+        if not dims:
+            continue
+        d = dims[0]
+        if d.HasField("dim_value"):
+            return None, int(d.dim_value)
+        if d.dim_param:
+            return d.dim_param, None
+        return None, None
+    return None, None
+
+
+def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None, batch: int | None,
+               microbatches: int | None) -> BatchBinding:
+    """Bind the model's symbolic leading dim to `batch / microbatches` (unless `dims` binds it) and
+    check a fixed one against them; one-line errors name the flags that fix a mismatch."""
+    dims = dict(dims or {})
+    m = microbatches
+    if batch is not None and batch < 1:
+        raise OnnxpipeError(f"--batch {batch}: must be at least 1")
+    symbol, fixed = _leading(model_inputs(source))
+    if symbol is not None and symbol in dims:
+        micro = dims[symbol]
+        if batch is not None and m and batch != micro * m:
+            raise OnnxpipeError(f"--batch {batch} is not {m} micro-batches of --dim {symbol}={micro}; pass --batch {micro * m} or drop --dim {symbol}")
+        return BatchBinding(dims, micro, m, symbol, True)
+    if symbol is not None:
+        if batch is None:
+            raise OnnxpipeError(f"the model's batch dim '{symbol}' is symbolic; pass --batch B (global, cut into --microbatches) or --dim {symbol}=V (one micro-batch)")
+        if not m:
+            raise OnnxpipeError(f"--batch {batch} binds the symbolic batch dim '{symbol}' to batch / micro-batches: pass --microbatches M too, or --dim {symbol}=V")
+        if batch % m:
+            raise OnnxpipeError(f"--batch {batch} does not split into {m} micro-batches; pick a --batch that --microbatches divides")
+        dims[symbol] = batch // m
+        return BatchBinding(dims, batch // m, m, symbol, False)
+    if fixed is not None and batch is not None and m and batch != fixed * m:
+        raise OnnxpipeError(f"--batch {batch} with {m} micro-batches needs micro-batches of {batch / m:g}, but the model's batch is fixed at {fixed}: "
+                            f"pass --batch {fixed * m}, or re-export the model with a symbolic batch dim")
+    return BatchBinding(dims, fixed, m, None, False)
+
+
+def stage_dims(source: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """The symbolic dims a stage directory was cut with, read off its manifest's input shapes
+    (`shapes`: model input name -> shape), so the model loads again exactly as it was split."""
+    dims: dict[str, int] = {}
+    for vi in model_inputs(source):
+        shape = shapes.get(vi.name)
+        if shape is None or not vi.type.HasField("tensor_type"):
+            continue
+        for d, size in zip(vi.type.tensor_type.shape.dim, shape):
+            if d.dim_param and not d.HasField("dim_value"):
+                dims.setdefault(d.dim_param, int(size))
+    return dims
