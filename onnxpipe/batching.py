@@ -56,27 +56,27 @@ def model_inputs(source: str | os.PathLike | onnx.ModelProto) -> Sequence[onnx.V
 
 
 def _header(path: Path) -> onnx.ModelProto:
-    if not path.is_file():
+    if not path.exists():
         raise OnnxpipeError(f"{path}: no such file; pass the path of an .onnx model")
+    if not path.is_file():
+        raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
     try:
         return read_header(path)
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete") from exc
 
 
-def _leading(inputs: Sequence[onnx.ValueInfoProto]) -> tuple[str | None, int | None]:
-    """The first input's leading dim: (symbol, None) or (None, fixed size); (None, None) without one."""
+def _leading(inputs: Sequence[onnx.ValueInfoProto]) -> tuple[str, str | None, int | None]:
+    """The first input with a leading dim: (input, symbol, None) or (input, None, fixed size); ("", None, None) without one."""
     for vi in inputs:
         dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else ()
         if not dims:
             continue
         d = dims[0]
         if d.HasField("dim_value"):
-            return None, int(d.dim_value)
-        if d.dim_param:
-            return d.dim_param, None
-        return None, None
-    return None, None
+            return vi.name, None, int(d.dim_value)
+        return vi.name, d.dim_param or None, None
+    return "", None, None
 
 
 def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None, batch: int | None,
@@ -87,7 +87,7 @@ def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, i
     m = microbatches
     if batch is not None and batch < 1:
         raise OnnxpipeError(f"--batch {batch}: must be at least 1")
-    symbol, fixed = _leading(model_inputs(source))
+    first, symbol, fixed = _leading(model_inputs(source))
     if symbol is not None and symbol in dims:
         micro = dims[symbol]
         if batch is not None and m and batch != micro * m:
@@ -95,7 +95,8 @@ def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, i
         return BatchBinding(dims, micro, m, symbol, True)
     if symbol is not None:
         if batch is None:
-            raise OnnxpipeError(f"the model's batch dim '{symbol}' is symbolic; pass --batch B (global, cut into --microbatches) or --dim {symbol}=V (one micro-batch)")
+            raise OnnxpipeError(f"dim '{symbol}' of input '{first}' is unbound; pass --batch B (the global batch, cut into --microbatches) "
+                                f"or --dim {symbol}=VALUE (one micro-batch)")
         if not m:
             raise OnnxpipeError(f"--batch {batch} binds the symbolic batch dim '{symbol}' to batch / micro-batches: pass --microbatches M too, or --dim {symbol}=V")
         if batch % m:

@@ -33,7 +33,7 @@ def test_symbolic_batch_is_one_micro_batch() -> None:
 
 
 @pytest.mark.parametrize("dims,batch,microbatches,message", [
-    (None, None, 4, r"symbolic; pass --batch B .* or --dim batch=V"),
+    (None, None, 4, r"dim 'batch' of input 'input_ids' is unbound; pass --batch B .* or --dim batch=VALUE"),
     (None, 8, None, r"pass --microbatches M too, or --dim batch=V"),
     (None, 8, 3, r"--batch 8 does not split into 3 micro-batches"),
     ({"batch": 3}, 8, 4, r"--batch 8 is not 4 micro-batches of --dim batch=3; pass --batch 12"),
