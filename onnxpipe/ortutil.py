@@ -7,7 +7,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 __all__ = [
     "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "gradient_model", "ort_reason",
@@ -63,8 +63,10 @@ def available_providers() -> tuple[str, ...]:
     return tuple(ort.get_available_providers())
 
 
-def session(model: bytes | str | os.PathLike, provider: str, *, threads: int = 0, optimize: bool = True, profile_prefix: str | None = None):  # -> InferenceSession
-    """An onnxruntime session on `provider` (nodes it lacks fall back to the CPU), options as `cpu_session`."""
+def session(model: bytes | str | os.PathLike, provider: str, *, threads: int = 0, optimize: bool = True, profile_prefix: str | None = None,
+            provider_options: Mapping[str, object] | None = None):  # -> InferenceSession
+    """An onnxruntime session on `provider` (nodes it lacks fall back to the CPU), options as `cpu_session`;
+    `provider_options` are the provider's own (CUDA's `device_id`)."""
     import onnxruntime as ort
 
     quiet_logger()
@@ -79,8 +81,8 @@ def session(model: bytes | str | os.PathLike, provider: str, *, threads: int = 0
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
     source = model if isinstance(model, bytes) else str(model)
-    providers = [provider] + ([CPU_PROVIDER] if provider != CPU_PROVIDER else [])
-    return ort.InferenceSession(source, options, providers=providers)
+    providers: list[object] = [(provider, dict(provider_options)) if provider_options else provider]
+    return ort.InferenceSession(source, options, providers=providers + ([CPU_PROVIDER] if provider != CPU_PROVIDER else []))
 
 
 def gradient_model(model: bytes, loss: str, trained: set[str]):  # -> onnx.ModelProto

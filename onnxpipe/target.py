@@ -102,6 +102,9 @@ class Device:
     #: The onnxruntime execution provider `--profile` measures with on this device; "" picks the kind's own
     #: (CUDAExecutionProvider for gpu, CPUExecutionProvider for cpu).
     provider: str = ""
+    #: The Ray node (its address, as `ray start --node-ip-address` gives it) the Ray backend places this
+    #: device's stages on; "" lets Ray choose among the nodes with the device group's resource.
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -342,7 +345,7 @@ def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, f
 def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[str, Any]]:
     """The group name, its count, and the Device fields shared by its instances."""
     required = ("name", "kind", "count", "memory", "memory_bandwidth", "peak_flops", "op_overhead", "efficiency")
-    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead", "gradient_bandwidth", "kernels", "provider"), origin, path)
+    _ensure_keys(table, required, ("threads", "action_overhead", "step_overhead", "gradient_bandwidth", "kernels", "provider", "host"), origin, path)
     group = _ensure_str(table, "name", origin, path)
     if not _GROUP_NAME.match(group):
         _fail(origin, f"{path}.name", f"bad group name {group!r}; use letters, digits and '-', starting with a letter")
@@ -365,6 +368,7 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
         "efficiency": {k: _ensure_fraction(efficiency, k, origin, f"{path}.efficiency") for k in efficiency},
         "op_overhead": _ensure_quantity(table, "op_overhead", "time", origin, path, allow_zero=True),
         "threads": threads,
+        **({"host": _ensure_str(table, "host", origin, path)} if "host" in table else {}),
         **{key: _ensure_quantity(table, key, "time", origin, path, allow_zero=True) for key in ("action_overhead", "step_overhead") if key in table},
         **({"gradient_bandwidth": _ensure_quantity(table, "gradient_bandwidth", "bandwidth", origin, path)} if "gradient_bandwidth" in table else {}),
         "kernels": _parse_kernels(table, kind, origin, path),

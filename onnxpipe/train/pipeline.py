@@ -9,6 +9,7 @@ Reading order: `Pipeline.__init__` -> `_stage_directory` -> train_step / evaluat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -29,6 +30,7 @@ from onnxpipe.initializers import SharedInitializer, TieChoice, untie
 from onnxpipe.manifest import Manifest
 from onnxpipe.protostream import load_weights, read_model
 from onnxpipe.simulate import Event
+from onnxpipe.target import load_target
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from onnxpipe.train.data import split_microbatches
 from onnxpipe.train.executor import Executor
@@ -39,9 +41,13 @@ from onnxpipe.train.loss import LossSpec
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.prepare import TrainConfig, model_inputs, prepare_single, prepare_stages, stage_threads
 from onnxpipe.train.processes import ProcessPipeline
+from onnxpipe.train.providers import ensure_usable, execution_devices
+from onnxpipe.train.stage import StageSpec
 
-__all__ = ["Pipeline", "DEFAULT_TARGET"]
+__all__ = ["Pipeline", "DEFAULT_TARGET", "BACKENDS"]
 
+#: Where the workers run: "local" (this machine, nothing to start) or "ray" (Ray actors, several hosts, GPUs).
+BACKENDS = ("local", "ray")
 #: The target a model is planned on when none is given.
 DEFAULT_TARGET = "cpu2"
 
@@ -64,6 +70,9 @@ class Pipeline:
         dims: Mapping[str, int] | None = None,
         processes: bool = True,
         time_limit: float = 10.0,
+        backend: str = "local",
+        address: str | None = None,
+        device: str = "auto",
         tie: tuple[str, ...] = (),
         untie: tuple[str, ...] = (),
         shapes_by_running: bool = False,
@@ -104,7 +113,7 @@ class Pipeline:
             self.stages = len(self.manifest.stages)
             #: Per worker: (stage, replica).
             self.places = tuple((s.index, s.replica) for s in specs)
-            self.engine = ProcessPipeline(specs) if processes else LocalPipeline(specs)
+            self.engine = _engine(specs, self.manifest, self.target, backend, address, device, processes)
         except BaseException:
             self.close()
             raise
@@ -298,3 +307,39 @@ def _beside(directory: Path, recorded: str) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def _engine(specs: tuple[StageSpec, ...], manifest: Manifest, target: str, backend: str, address: str | None, device: str,
+            processes: bool) -> Executor:
+    """The executor on the chosen backend: "local" (worker processes, or in-process without `processes`)
+    or "ray" (actors on the Ray cluster at `address`, or on one started here). A stage on a gpu device runs
+    on CUDA (`providers`) unless `device` is "cpu"; without a usable CUDA provider this fails at once."""
+    if backend not in BACKENDS:
+        raise OnnxpipeError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    try:
+        devices = {d.name: d for d in load_target(target).devices}
+    except OnnxpipeError:
+        devices = {}
+    names = tuple(_device_of(manifest.stages[s.index].devices, s.replica) for s in specs)
+    if backend == "ray":
+        try:
+            from onnxpipe.train.ray_backend import RayPipeline
+            from onnxpipe.train.ray_placement import place
+        except ImportError as exc:
+            raise OnnxpipeError(f"--backend ray needs Ray ({exc.name} is not installed); pip install 'onnxpipe[ray]'") from exc
+        return RayPipeline(specs, place(names, devices, device), address)
+    if address is not None:
+        raise OnnxpipeError("--address names a Ray cluster; pass --backend ray with it")
+    placed = execution_devices(names, devices, device)
+    if any(d.kind == "cuda" for d in placed):
+        import onnxruntime
+
+        for d in placed:
+            ensure_usable(d, onnxruntime.get_available_providers())
+    specs = tuple(dataclasses.replace(s, device=d) for s, d in zip(specs, placed))
+    return ProcessPipeline(specs) if processes else LocalPipeline(specs)
+
+
+def _device_of(devices: tuple[str, ...], replica: int) -> str:
+    """The target device a stage's replica runs on ("" where the manifest names none)."""
+    return devices[replica] if replica < len(devices) else ""

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnxpipe.ortutil import cpu_session
+from onnxpipe.ortutil import session
 from onnxpipe.schedule import Action
 from onnxpipe.train.graphs import StageGraphs, grad_input_name, grad_name
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.messages import Command, GetState, Infer, Outputs, Reply, SetState, State, StepDone, Timing, Train
 from onnxpipe.train.optimizer import Optimizer, OptimizerConfig
+from onnxpipe.train.providers import CPU, ExecutionDevice, session_provider
 from onnxpipe.train.splitgrad import SplitBackward
 from onnxpipe.train.transport import Transport, grad_key, shared_key
 
@@ -76,6 +77,8 @@ class StageSpec:
     forward_actions: tuple[Action, ...] = ()
     #: The stage file it was built from (for messages); empty for the whole model.
     file: str = ""
+    #: Where its sessions run (`providers`): the CPU, or a CUDA device for a stage on a gpu.
+    device: ExecutionDevice = CPU
 
     @property
     def worker(self) -> int:
@@ -88,8 +91,9 @@ class StageSpec:
         return tuple(w for s in sorted({self.index, *tied}) for w in self.layout.workers(s))
 
 
-def make_session(model: bytes, threads: int):  # -> onnxruntime.InferenceSession
-    return cpu_session(model, threads=max(1, threads))
+def make_session(model: bytes, threads: int, device: ExecutionDevice = CPU):  # -> onnxruntime.InferenceSession
+    provider, options = session_provider(device)
+    return session(model, provider, threads=max(1, threads), provider_options=options)
 
 
 @dataclass
@@ -105,11 +109,11 @@ class StageRunner:
         g = self.spec.graphs
         self.params = {k: v.copy() for k, v in g.initial.items()}
         self.optimizer = Optimizer(self.spec.optimizer)
-        self._forward = make_session(g.forward, self.spec.threads)
-        self._backward = make_session(g.backward, self.spec.threads) if g.backward else None
+        self._forward = make_session(g.forward, self.spec.threads, self.spec.device)
+        self._backward = make_session(g.backward, self.spec.threads, self.spec.device) if g.backward else None
         split = self.spec.split
-        self._b = make_session(split.b, self.spec.threads) if split and split.b else None
-        self._w = make_session(split.w, self.spec.threads) if split and split.w else None
+        self._b = make_session(split.b, self.spec.threads, self.spec.device) if split and split.b else None
+        self._w = make_session(split.w, self.spec.threads, self.spec.device) if split and split.w else None
         #: Per micro-batch, what W reads between B and W (a split backward).
         self._w_stash: dict[int, dict[str, np.ndarray]] = {}
         self._fwd_names = list(dict.fromkeys(g.outputs + ((g.loss,) if g.loss else ()) + g.stash))

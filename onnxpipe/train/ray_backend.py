@@ -1,0 +1,280 @@
+"""The Ray backend: every stage replica is a Ray actor (`StageActor`) placed by one placement group as
+the plan says (`ray_placement`), tensors move through Ray's shared-memory channels (`ray_transport`),
+and the driver's commands (`messages`) are actor calls whose return values are the workers' replies.
+The executor core (`executor.Executor`) drives it exactly as it drives the local backends: the same
+schedule rows, the same `StageServer` in every worker.
+
+Faults: an actor whose process or node dies fails its pending call with Ray's `RayActorError`; `health`
+turns that into one line naming the stage (the executor adds it) and the host, and `close` kills every
+actor and removes the placement group, so nothing is left behind on the cluster.
+
+Reading order: `RaySession` -> `StageActor` -> `RayBackend` (start, command, replies, health, progress,
+where, close) -> `RayPipeline`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray reports nothing anywhere from onnxpipe's runs
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.train.executor import Executor, Failure
+from onnxpipe.train.messages import Command, Failed, Ready, Reply
+from onnxpipe.train.providers import ExecutionDevice, cuda_device_id, ensure_usable
+from onnxpipe.train.ray_placement import Placement, ensure_fits, local_resources
+from onnxpipe.train.ray_transport import ChannelTransport, open_channel
+from onnxpipe.train.stage import StageServer, StageSpec
+from onnxpipe.train.worker import peak_rss_bytes
+
+__all__ = ["RaySession", "StageActor", "RayBackend", "RayPipeline"]
+
+#: Seconds the placement group may take to be placed before the run fails.
+PLACE_SECONDS = 60.0
+#: Seconds between two status polls of the actors (the stall deadline and `where` read them).
+_STATUS_EVERY = 1.0
+#: Seconds `close` gives the actors to close their channels before they are killed.
+_STOP_WAIT = 2.0
+
+
+class RaySession:
+    """The driver's connection to Ray: the instance this process already joined, the cluster at `address`
+    ("auto": the one `ray start` runs on this machine), or with neither a new instance on this machine
+    alone (loopback), sized for `placement`, stopped again on `close`."""
+
+    def __init__(self, address: str | None, placement: Placement) -> None:
+        self.owned = False
+        if ray.is_initialized():
+            self.where = "this process is connected to"
+            return
+        options: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
+        try:
+            if address is None:
+                num_cpus, resources = local_resources(placement, os.cpu_count() or 1)
+                ray.init(num_cpus=num_cpus, resources=resources, _node_ip_address="127.0.0.1", **options)
+                self.where = "started on this machine"
+            else:
+                ray.init(address=address, **options)
+                self.where = f"at {address}"
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise OnnxpipeError(f"no Ray cluster at {address} ({str(exc).strip().splitlines()[0][:160]}); start one with "
+                                f"`ray start --head` and pass --address auto, or leave --address out to start one here") from exc
+        self.owned = True
+
+    def close(self) -> None:
+        """Disconnect (stopping the instance when this session started it)."""
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+        self.owned = False
+
+
+@ray.remote(concurrency_groups={"status": 1}, max_restarts=0, max_task_retries=0)
+class StageActor:
+    """One worker: its channels, its `StageServer`, and where it is in its row (answered on a thread of its
+    own while the row runs)."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self._status: tuple[str, int, int] = ("setup", -1, 0)
+        self._outgoing: dict[int, Any] = {}
+        self.transport: ChannelTransport | None = None
+        self.server: StageServer | None = None
+
+    def node(self) -> tuple[str, str, int]:
+        """(Ray node id, node address, process id)."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def open_channels(self, readers: dict[int, tuple[Any, str]]) -> dict[int, Any]:
+        """Create the channels this worker writes, one per reader worker: (actor, node id)."""
+        me = ray.get_runtime_context().current_actor
+        self._outgoing = {dst: open_channel(me, actor, node) for dst, (actor, node) in readers.items()}
+        return self._outgoing
+
+    def start(self, spec: StageSpec, incoming: list[Any], device: ExecutionDevice) -> Reply:
+        """Build the stage on its device (a gpu stage on the GPU Ray gave this actor)."""
+        try:
+            if device.kind == "cuda":
+                import onnxruntime
+
+                device = dataclasses.replace(device, device_id=cuda_device_id(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+                ensure_usable(device, onnxruntime.get_available_providers(), f"host {ray.util.get_node_ip_address()}")
+            self.transport = ChannelTransport(self.worker, self._outgoing, incoming)
+            self.server = StageServer(dataclasses.replace(spec, device=device), self.transport, rss=peak_rss_bytes)
+            self._status = ("idle", -1, 0)
+            return Ready(self.worker)
+        except BaseException as exc:
+            return self._failed(exc)
+
+    def handle(self, command: Command) -> Reply:
+        """Run the command's row, then answer it (a failure answers `Failed`)."""
+        assert self.server is not None
+        done = self._status[2]
+        try:
+            for action in self.server.row(command):
+                self._status = (action.op, action.microbatch, done)
+                self.server.program.perform(action)
+                done += 1
+            self._status = ("idle", -1, done)
+            return self.server.reply(command)
+        except BaseException as exc:
+            return self._failed(exc)
+
+    @ray.method(concurrency_group="status")
+    def status(self) -> tuple[str, int, int]:
+        """(op, micro-batch, actions done so far)."""
+        return self._status
+
+    def stop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _failed(self, exc: BaseException) -> Failed:
+        op, mb, _ = self._status
+        message = str(exc).strip()
+        return Failed(self.worker, op, mb, f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}",
+                      traceback.format_exc(), time.monotonic(), False)
+
+
+class RayBackend:
+    """Workers as Ray actors (see the module docstring); `specs` in worker order, `placement` from `ray_placement.place`."""
+
+    def __init__(self, specs: Sequence[StageSpec], placement: Placement, address: str | None = None) -> None:
+        self.session = RaySession(address, placement)
+        self._closed = False
+        self.actors: list[Any] = []
+        self._pending: dict[Any, int] = {}
+        self._dead: dict[int, Failure] = {}
+        self._status: list[tuple[str, int, int]] = [("setup", -1, 0) for _ in specs]
+        self._polls: dict[Any, int] = {}
+        self._polled = 0.0
+        self.group = None
+        self.driver: ChannelTransport | None = None
+        try:
+            ensure_fits(placement, ray.cluster_resources(), self.session.where)
+            self.group = placement_group([dict(b.resources) for b in placement.bundles], strategy="PACK")
+            try:
+                ray.get(self.group.ready(), timeout=PLACE_SECONDS)
+            except GetTimeoutError as exc:
+                raise OnnxpipeError(f"the Ray cluster {self.session.where} could not place the stages' {len(placement.bundles)} "
+                                    f"devices within {PLACE_SECONDS:.0f} s (resources busy or missing: {placement.needs()}); "
+                                    f"free them or add nodes") from exc
+            self._start(specs, placement)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    def _start(self, specs: Sequence[StageSpec], placement: Placement) -> None:
+        for spec in specs:
+            w = spec.worker
+            resources = placement.actor_resources(w)
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=placement.worker_bundle[w])
+            self.actors.append(StageActor.options(  # type: ignore[attr-defined]
+                num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,
+                scheduling_strategy=strategy, name=None).remote(w))
+        #: Per worker: (Ray node id, node address, actor process id).
+        self.nodes: list[tuple[str, str, int]] = ray.get([a.node.remote() for a in self.actors])
+        k = len(self.actors)
+        outgoing = ray.get([a.open_channels.remote({d: (self.actors[d], self.nodes[d][0]) for d in range(k) if d != w})
+                            for w, a in enumerate(self.actors)])
+        from_driver = {w: open_channel(None, a, self.nodes[w][0]) for w, a in enumerate(self.actors)}
+        self.driver = ChannelTransport(-1, from_driver)
+        for w, actor in enumerate(self.actors):
+            incoming = [outgoing[s][w] for s in range(k) if s != w] + [from_driver[w]]
+            self._pending[actor.start.remote(specs[w], incoming, placement.devices[w])] = w
+
+    @property
+    def pids(self) -> list[int]:
+        return [n[2] for n in self.nodes]
+
+    def command(self, worker: int, command: Command) -> None:
+        self._pending[self.actors[worker].handle.remote(command)] = worker
+
+    def replies(self, timeout: float) -> list[Reply]:
+        refs = list(self._pending)
+        if not refs:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if not ready:
+            return []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in ready:
+            w = self._pending.pop(ref)
+            try:
+                out.append(ray.get(ref))
+            except RayActorError as exc:
+                self._dead.setdefault(w, Failure(w, None, self._died(w, exc), time.monotonic()))
+        return out
+
+    def _died(self, worker: int, exc: BaseException) -> str:
+        _, address, pid = self.nodes[worker]
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"its Ray actor (process {pid} on host {address}) died: {reason[:200]}"
+
+    def health(self) -> list[Failure]:
+        return list(self._dead.values())
+
+    def progress(self) -> int:
+        """Actions done, from the last status poll (polls go out at most once a second and never block)."""
+        done, _ = ray.wait(list(self._polls), num_returns=len(self._polls), timeout=0) if self._polls else ([], [])
+        for ref in done:
+            w = self._polls.pop(ref)
+            try:
+                self._status[w] = ray.get(ref)
+            except RayActorError:
+                pass
+        if not self._polls and time.monotonic() - self._polled >= _STATUS_EVERY:
+            self._polled = time.monotonic()
+            self._polls = {a.status.remote(): w for w, a in enumerate(self.actors) if w not in self._dead}
+        return sum(s[2] for s in self._status)
+
+    def where(self, worker: int) -> tuple[str, int]:
+        op, mb, _ = self._status[worker]
+        return op, mb
+
+    def close(self, force: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force and self.actors:
+            try:
+                ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_WAIT)
+            except Exception:  # a dead or stuck actor: killed below
+                pass
+        if self.driver is not None:
+            self.driver.close()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.group is not None:
+            remove_placement_group(self.group)
+        self.session.close()
+
+
+class RayPipeline(Executor):
+    """The executor on Ray actors."""
+
+    def __init__(self, specs: Sequence[StageSpec], placement: Placement, address: str | None = None, **deadlines: float) -> None:
+        super().__init__(specs, lambda s: RayBackend(s, placement, address), **deadlines)
+
+    @property
+    def pids(self) -> list[int]:
+        return self.backend.pids  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def nodes(self) -> list[tuple[str, str, int]]:
+        """Per worker: (Ray node id, node address, actor process id)."""
+        return self.backend.nodes  # type: ignore[attr-defined, no-any-return]
+
+
