@@ -644,8 +644,11 @@ def train(
     tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
     untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
     shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
+    backend: str = typer.Option("local", "--backend", help="local: worker processes on this machine (nothing to start); ray: Ray actors, placed as the plan says."),
+    address: str = typer.Option(None, "--address", help="With --backend ray: the Ray cluster (HOST:PORT, or auto for the one `ray start` runs here); default: start one on this machine."),
+    device: str = typer.Option("auto", "--device", help="auto: stages on gpu devices run on CUDA; cpu: every stage runs on the CPU."),
 ) -> None:
-    """Train a model as a pipeline: one worker process per stage replica, the schedule's table, shared-memory transport."""
+    """Train a model as a pipeline: one worker per stage replica (a process, or a Ray actor), the schedule's table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -673,7 +676,7 @@ def train(
     opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),
-                  shapes_by_running=shapes_by_running) as pipe:
+                  shapes_by_running=shapes_by_running, backend=backend, address=address, device=device) as pipe:
         print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")

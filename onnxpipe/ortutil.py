@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator, Mapping
 
 __all__ = [
-    "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "gradient_model", "ort_reason",
+    "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "cuda_works", "gradient_model", "ort_reason",
     "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "pretraining_rewrite", "state_inputs",
 ]
 
@@ -83,6 +83,31 @@ def session(model: bytes | str | os.PathLike, provider: str, *, threads: int = 0
     source = model if isinstance(model, bytes) else str(model)
     providers: list[object] = [(provider, dict(provider_options)) if provider_options else provider]
     return ort.InferenceSession(source, options, providers=providers + ([CPU_PROVIDER] if provider != CPU_PROVIDER else []))
+
+
+@functools.cache
+def cuda_works(device_id: int) -> bool:
+    """Whether onnxruntime runs a session on CUDA device `device_id` in this process. The CUDA build lists
+    its provider even where the GPU, CUDA or cuDNN is missing (a session then falls back to the CPU), so
+    this builds one tiny session and asks which providers it got."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        with quiet_stderr():
+            session = ort.InferenceSession(model.SerializeToString(), options,
+                                           providers=[("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"])
+    except Exception:  # a bad device id, a driver error: not usable either way
+        return False
+    return "CUDAExecutionProvider" in session.get_providers()
 
 
 def gradient_model(model: bytes, loss: str, trained: set[str]):  # -> onnx.ModelProto

@@ -331,11 +331,8 @@ def _engine(specs: tuple[StageSpec, ...], manifest: Manifest, target: str, backe
     if address is not None:
         raise OnnxpipeError("--address names a Ray cluster; pass --backend ray with it")
     placed = execution_devices(names, devices, device)
-    if any(d.kind == "cuda" for d in placed):
-        import onnxruntime
-
-        for d in placed:
-            ensure_usable(d, onnxruntime.get_available_providers())
+    for d in placed:
+        ensure_usable(d)
     specs = tuple(dataclasses.replace(s, device=d) for s, d in zip(specs, placed))
     return ProcessPipeline(specs) if processes else LocalPipeline(specs)
 

@@ -8,11 +8,12 @@ Reading order: `ExecutionDevice` -> `stage_device` -> `execution_devices` -> `se
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.ortutil import cuda_works
 from onnxpipe.target import Device
 
 __all__ = ["ExecutionDevice", "CPU", "CUDA_PROVIDER", "stage_device", "execution_devices", "session_provider", "ensure_usable",
@@ -70,13 +71,13 @@ def session_provider(device: ExecutionDevice) -> tuple[str, dict[str, Any]]:
     return _CPU_PROVIDER, {}
 
 
-def ensure_usable(device: ExecutionDevice, available: Sequence[str], where: str = "") -> None:
-    """One line naming the fix when `device` needs a provider this onnxruntime lacks (`available`:
-    `onnxruntime.get_available_providers()`)."""
-    if device.kind == "cuda" and CUDA_PROVIDER not in available:
+def ensure_usable(device: ExecutionDevice, works: Callable[[int], bool] = cuda_works, where: str = "") -> None:
+    """One line naming the fix when `device` is a CUDA device onnxruntime cannot run a session on here
+    (`works`: device id -> whether it can, `ortutil.cuda_works`)."""
+    if device.kind == "cuda" and not works(device.device_id):
         on = f" on {where}" if where else ""
-        raise OnnxpipeError(f"a stage runs on a gpu device but onnxruntime{on} has no usable CUDA provider "
-                            f"(it offers {', '.join(available) or 'none'}); install onnxruntime-training's CUDA build "
+        raise OnnxpipeError(f"a stage runs on a gpu device but onnxruntime{on} has no usable CUDA provider for device "
+                            f"{device.device_id} (it needs a GPU, CUDA 11.8 and cuDNN 8 for onnxruntime-training 1.19); install them "
                             f"there, or pass --device cpu to run every stage on the CPU")
 
 

@@ -43,7 +43,7 @@ __all__ = ["RaySession", "StageActor", "RayBackend", "RayPipeline"]
 PLACE_SECONDS = 60.0
 #: Seconds between two status polls of the actors (the stall deadline and `where` read them).
 _STATUS_EVERY = 1.0
-#: Seconds `close` gives the actors to close their channels before they are killed.
+#: Seconds `close` gives the actors to close their channels before they are killed (and twice that to end).
 _STOP_WAIT = 2.0
 
 
@@ -78,10 +78,12 @@ class RaySession:
         self.owned = False
 
 
-@ray.remote(concurrency_groups={"status": 1}, max_restarts=0, max_task_retries=0)
+@ray.remote(max_concurrency=2, concurrency_groups={"status": 1}, max_restarts=0, max_task_retries=0)
 class StageActor:
     """One worker: its channels, its `StageServer`, and where it is in its row (answered on a thread of its
-    own while the row runs)."""
+    own while the row runs). The driver sends it one command at a time; the second slot of its default
+    group serves Ray's own calls while a command runs: a channel to a reader on another node makes (and,
+    for a larger message, remakes) its buffer there through the reader actor."""
 
     def __init__(self, worker: int) -> None:
         self.worker = worker
@@ -105,10 +107,8 @@ class StageActor:
         """Build the stage on its device (a gpu stage on the GPU Ray gave this actor)."""
         try:
             if device.kind == "cuda":
-                import onnxruntime
-
                 device = dataclasses.replace(device, device_id=cuda_device_id(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
-                ensure_usable(device, onnxruntime.get_available_providers(), f"host {ray.util.get_node_ip_address()}")
+                ensure_usable(device, where=f"host {ray.util.get_node_ip_address()}")
             self.transport = ChannelTransport(self.worker, self._outgoing, incoming)
             self.server = StageServer(dataclasses.replace(spec, device=device), self.transport, rss=peak_rss_bytes)
             self._status = ("idle", -1, 0)
@@ -188,7 +188,7 @@ class RayBackend:
         outgoing = ray.get([a.open_channels.remote({d: (self.actors[d], self.nodes[d][0]) for d in range(k) if d != w})
                             for w, a in enumerate(self.actors)])
         from_driver = {w: open_channel(None, a, self.nodes[w][0]) for w, a in enumerate(self.actors)}
-        self.driver = ChannelTransport(-1, from_driver)
+        self.driver = ChannelTransport(-1, from_driver, background=True)
         for w, actor in enumerate(self.actors):
             incoming = [outgoing[s][w] for s in range(k) if s != w] + [from_driver[w]]
             self._pending[actor.start.remote(specs[w], incoming, placement.devices[w])] = w
@@ -257,6 +257,8 @@ class RayBackend:
             self.driver.close()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        if self.actors:  # a call to a killed actor fails once Ray saw its process end: wait for that
+            ray.wait([a.status.remote() for a in self.actors], num_returns=len(self.actors), timeout=_STOP_WAIT * 2)
         if self.group is not None:
             remove_placement_group(self.group)
         self.session.close()

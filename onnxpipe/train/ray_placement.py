@@ -63,8 +63,7 @@ class Placement:
 
 def place(worker_devices: Sequence[str], devices: Mapping[str, Device], device: str = "auto") -> Placement:
     """The placement of workers whose target devices are `worker_devices` (one per worker, in worker
-    order; "" where the manifest names none: a CPU bundle of its own), `devices` the target's by
-    instance name, `device` the `--device` choice ("cpu": no GPU anywhere)."""
+    order), `devices` the target's by instance name, `device` the `--device` choice ("cpu": no GPU anywhere)."""
     order: list[str] = []
     keys: list[str] = []
     for w, name in enumerate(worker_devices):
@@ -74,10 +73,8 @@ def place(worker_devices: Sequence[str], devices: Mapping[str, Device], device: 
             order.append(name)
     bundles = []
     for name in order:
-        d = devices.get(name) if name else None
-        if name and d is None:
-            raise OnnxpipeError(f"the stages name device {name!r}, which the target lacks; run with the target they were split for")
-        if d is None:
+        d = devices.get(name)
+        if d is None:  # a device the target lacks (or none named): a worker needing one CPU, anywhere
             bundles.append(Bundle(name, {"CPU": 1.0}))
             continue
         resources = {"CPU": float(max(1, d.threads)), d.group: 1.0}

@@ -11,11 +11,12 @@ sender never waits on the receiver's schedule. Messages carry their (key, micro-
 in which a pair's messages arrive does not matter: replicas, tied weights' gradient sums and skip
 connections (one tensor to several stages) are messages like any other.
 
-Reading order: `open_channel` -> `ChannelTransport` (send, recv, ready, close) -> `_Reader`.
+Reading order: `open_channel` -> `_Writer` -> `ChannelTransport` (send, recv, ready, close) -> `_Reader`.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -60,14 +61,38 @@ class _Reader(threading.Thread):
             self.transport._arrive(key, microbatch, copy, time.perf_counter() - start, time.thread_time() - cpu)
 
 
+class _Writer(threading.Thread):
+    """Writes one channel's messages in order, so that its owner never waits on the reader (a dead
+    reader never takes a message: `close` ends the wait)."""
+
+    def __init__(self, channel: Any) -> None:
+        super().__init__(name="onnxpipe-channel-writer", daemon=True)
+        self.channel = channel
+        self.outbox: queue.SimpleQueue[tuple[str, int, np.ndarray] | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        from ray.exceptions import RayChannelError
+
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.channel.write(message)
+            except RayChannelError:
+                return
+
+
 class ChannelTransport:
     """One worker's end (`me`; -1: the driver): `outgoing[dst]` is the channel it writes to worker `dst`,
-    `incoming` the channels other workers (and the driver) write to it."""
+    `incoming` the channels other workers (and the driver) write to it. With `background`, a thread per
+    channel writes (the driver's end: it must never block on a worker); the arrays sent must then stay
+    unchanged until read."""
 
-    def __init__(self, me: int, outgoing: Mapping[int, Any], incoming: Sequence[Any] = ()) -> None:
+    def __init__(self, me: int, outgoing: Mapping[int, Any], incoming: Sequence[Any] = (), background: bool = False) -> None:
         self.me = me
         self.outgoing = dict(outgoing)
         self.incoming = tuple(incoming)
+        self._writers = {dst: _Writer(channel) for dst, channel in self.outgoing.items()} if background else {}
+        for writer in self._writers.values():
+            writer.start()
         self._inbox: dict[tuple[str, int], np.ndarray] = {}
         self._arrived = threading.Condition()
         #: Seconds spent in send and recv: wall clock, and this thread's CPU time.
@@ -79,7 +104,11 @@ class ChannelTransport:
 
     def send(self, dst: int, key: str, microbatch: int, array: np.ndarray) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
-        self.outgoing[dst].write((key, microbatch, np.ascontiguousarray(array)))
+        message = (key, microbatch, np.ascontiguousarray(array))
+        if self._writers:
+            self._writers[dst].outbox.put(message)
+        else:
+            self.outgoing[dst].write(message)
         with self._arrived:
             self.copy_seconds += time.perf_counter() - start
             self.copy_cpu_seconds += time.thread_time() - cpu
@@ -108,3 +137,5 @@ class ChannelTransport:
                 channel.close()
             except Exception:  # the peer's node is gone: nothing left to close
                 pass
+        for writer in self._writers.values():
+            writer.outbox.put(None)

@@ -1,0 +1,180 @@
+"""The Ray backend on real Ray, every process on this machine (loopback): one two-node cluster for the
+module (`ray.cluster_utils.Cluster`, each node with a custom resource of its own). Stages land on the
+nodes the target names; losses and weights equal the local backend's bit for bit; a killed actor fails
+the run within 10 s with one line naming the stage and host, leaving no actor behind; resuming from the
+last checkpoint gives the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray resolves 127.0.0.1 to 127.0.0.1, not this host's address
+ray = pytest.importorskip("ray")
+
+from onnxpipe import models  # noqa: E402
+from onnxpipe.errors import OnnxpipeError  # noqa: E402
+from onnxpipe.train.fit import data_source, fit  # noqa: E402
+from onnxpipe.train.pipeline import Pipeline  # noqa: E402
+from onnxpipe.train.prepare import TrainConfig  # noqa: E402
+from test_train import SGD, M, _alive, _global_batches, stage_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Two cpu device groups, one per node of the test cluster.
+TWO_HOSTS = (ROOT / "targets" / "cpu2.toml").read_text().replace(
+    'name = "cpu"\nkind = "cpu"\ncount = 2', 'name = "left"\nkind = "cpu"\ncount = 1').replace(
+    'between = ["cpu", "cpu"]', 'between = ["left", "right"]')
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    """A head node with resource `left` and a second node with `right`, 2 CPUs each, all on 127.0.0.1."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"left": 1}, "node_ip_address": "127.0.0.1",
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=2, resources={"right": 1}, node_ip_address="127.0.0.1")
+    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _two_host_target(tmp: Path) -> Path:
+    text = TWO_HOSTS
+    right = text[text.index("[[devices]]"):text.index("[[links]]")].replace('name = "left"', 'name = "right"')
+    text = text.replace("[[links]]", right + "[[links]]", 1)
+    path = tmp / "two-hosts.toml"
+    path.write_text(text)
+    return path
+
+
+def _train(pipe: Pipeline, steps: list[dict[str, np.ndarray]]) -> tuple[list[float], dict[str, np.ndarray]]:
+    return [pipe.train_step(b) for b in steps], pipe.parameters()
+
+
+def _assert_same(a: tuple[list[float], dict[str, np.ndarray]], b: tuple[list[float], dict[str, np.ndarray]]) -> None:
+    assert a[0] == b[0]
+    assert set(a[1]) == set(b[1])
+    for key, value in a[1].items():
+        np.testing.assert_array_equal(value, b[1][key], err_msg=key)
+
+
+def test_stages_land_on_the_nodes_the_target_names(cluster: object, tmp_path: Path) -> None:
+    target = _two_host_target(tmp_path)
+    model = tmp_path / "gpt2.onnx"
+    import onnx
+
+    onnx.save(models.build("gpt2-tiny", train=True), str(model))
+    rng = np.random.default_rng(0)
+    steps = [{"input_ids": rng.integers(0, 256, (16, 32)), "labels": rng.integers(0, 256, (16, 32))} for _ in range(3)]
+    with Pipeline(model, str(target), stages=2, batch=16, microbatches=2, schedule="1f1b", optimizer=SGD, backend="ray") as pipe:
+        on_ray = _train(pipe, steps)
+        nodes = [n[0] for n in pipe.engine.nodes]  # type: ignore[union-attr]
+        devices = [st.devices[0] for st in pipe.manifest.stages]
+        with Pipeline(pipe.directory, str(target), microbatches=2, schedule="1f1b", optimizer=SGD, processes=False) as local:
+            _assert_same(on_ray, _train(local, steps))
+    resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert sorted(devices) == ["left_0", "right_0"]
+    for node, device in zip(nodes, devices):
+        assert resources[node].get(device.rsplit("_", 1)[0]) == 1.0, (device, resources[node])
+    assert len(set(nodes)) == 2
+
+
+@pytest.mark.parametrize(("name", "k", "replicas", "schedule"), [
+    ("resnet-tiny", 2, None, "gpipe"), ("mlp", 2, (1, 2), "gpipe"), ("mlp", 2, (1, 2), "1f1b")])
+def test_ray_trains_bit_for_bit_as_the_local_backend(cluster: object, name: str, k: int, replicas: tuple[int, ...] | None,
+                                                      schedule: str) -> None:
+    directory, manifest = stage_dir(name, k, replicas=replicas)
+    steps = _global_batches(name, manifest, TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD))[:3]
+    runs = []
+    for backend in ("ray", "local"):
+        with Pipeline(directory, microbatches=M, schedule=schedule, optimizer=SGD, backend=backend, processes=False) as pipe:
+            runs.append(_train(pipe, steps))
+            if backend == "ray":
+                pids = pipe.engine.pids  # type: ignore[union-attr]
+                assert len(pids) == sum(replicas or (1,) * k)
+    _assert_same(*runs)
+    assert runs[0][0][-1] != runs[0][0][0]
+    deadline = time.monotonic() + 10
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids)
+
+
+def test_killed_actor_fails_within_10s_and_resume_continues(cluster: object, tmp_path: Path) -> None:
+    directory, _ = stage_dir("gpt2-tiny", 2)
+
+    def pipeline(backend: str) -> Pipeline:
+        return Pipeline(directory, microbatches=M, optimizer=SGD, backend=backend, processes=False)
+
+    with pipeline("local") as whole:
+        full = fit(whole, data_source(whole, "synthetic", seed=3), 6)
+    free = ray.available_resources()
+    killed: list[float] = []
+    with pipeline("ray") as pipe:
+        pids = pipe.engine.pids  # type: ignore[union-attr]
+        source = data_source(pipe, "synthetic", seed=3)
+
+        def kill_during_step(step: int, _: float) -> None:
+            if step == 2:  # checkpointed: kill stage 1's actor while the next step runs
+                timer = threading.Timer(0.02, lambda: (killed.append(time.monotonic()), os.kill(pids[1], signal.SIGKILL)))
+                timer.start()
+
+        with pytest.raises(OnnxpipeError) as failure:
+            fit(pipe, source, 1000, checkpoint_dir=str(tmp_path / "ck"), every=1, on_step=kill_during_step)
+    took = time.monotonic() - killed[0]
+    message = str(failure.value)
+    assert "\n" not in message and message.startswith("stage 1 failed") and "host 127.0.0.1" in message, message
+    assert took < 10, took
+    deadline = time.monotonic() + 10  # Ray ends killed actors' processes and returns their resources asynchronously
+    while (_alive(pids) or ray.available_resources() != free) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids)
+    assert ray.available_resources() == free
+    with pipeline("ray") as again:
+        resumed = fit(again, data_source(again, "synthetic", seed=3), 6, checkpoint_dir=str(tmp_path / "ck"), every=1, resume=True)
+    assert resumed == full
+
+
+def test_command_line_trains_on_ray_and_ctrl_c_stops_every_actor(cluster: object, tmp_path: Path) -> None:
+    directory, _ = stage_dir("mlp", 2)
+    cmd = [sys.executable, "-m", "onnxpipe", "train", str(directory), "--backend", "ray", "--address", cluster.address,  # type: ignore[attr-defined]
+           "--microbatches", str(M), "--steps", "100000"]
+    before = _actor_processes()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+    deadline = time.monotonic() + 120
+    while len(_actor_processes() - before) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while _actor_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _actor_processes() - before
+
+
+def _actor_processes() -> set[int]:
+    """Processes running a stage actor (Ray names them after the actor class)."""
+    out = set()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if (p / "cmdline").read_bytes().startswith(b"ray::StageActor") and "zombie" not in (p / "status").read_text().lower():
+                    out.add(int(p.name))
+            except OSError:
+                pass
+    return out
