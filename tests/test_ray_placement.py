@@ -12,7 +12,7 @@ import pytest
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.ortutil import cuda_works
 from onnxpipe.target import load_target
-from onnxpipe.train.providers import CPU, CUDA_PROVIDER, ExecutionDevice, cuda_device_id, ensure_usable, execution_devices, session_providers, stage_device
+from onnxpipe.train.providers import CPU, CUDA_PROVIDER, ExecutionDevice, cuda_device_id, ensure_usable, execution_devices, session_provider, stage_device
 from onnxpipe.train.ray_placement import ensure_fits, local_resources, place
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,8 +29,8 @@ def test_gpu_stages_run_on_cuda_with_their_instance_and_every_other_on_the_cpu()
     got = execution_devices([gpu, kinds["fpga"], "not-a-device"], hetero)
     assert got == (ExecutionDevice("cuda", int(gpu.rsplit("_", 1)[1])), CPU, CPU)
     assert execution_devices([gpu], hetero, "cpu") == (CPU,)
-    assert session_providers(got[0]) == [(CUDA_PROVIDER, {"device_id": got[0].device_id}), "CPUExecutionProvider"]
-    assert session_providers(CPU) == ["CPUExecutionProvider"]
+    assert session_provider(got[0]) == (CUDA_PROVIDER, {"device_id": got[0].device_id})
+    assert session_provider(CPU) == ("CPUExecutionProvider", {})
     assert stage_device("gpu", 3) == ExecutionDevice("cuda", 3)
     with pytest.raises(OnnxpipeError, match="--device 'tpu' is not one of auto, cpu"):
         stage_device("gpu", 0, "tpu")

@@ -41,8 +41,9 @@ __all__ = ["RaySession", "StageActor", "RayBackend", "RayPipeline"]
 
 #: Seconds the placement group may take to be placed before the run fails.
 PLACE_SECONDS = 60.0
-#: Seconds between two status polls of the actors (the stall deadline and `where` read them).
-_STATUS_EVERY = 1.0
+#: Seconds between two status polls of the actors (the stall deadline and `where` read them; a poll is
+#: one small call per actor, answered on its status thread).
+_STATUS_EVERY = 0.25
 #: Seconds `close` gives the actors to close their channels before they are killed (and twice that to end).
 _STOP_WAIT = 2.0
 
@@ -213,7 +214,10 @@ class RayBackend:
         for ref in ready:
             w = self._pending.pop(ref)
             try:
-                out.append(ray.get(ref))
+                reply = ray.get(ref)
+                if isinstance(reply, Ready):
+                    self._status[w] = ("idle", -1, 0)
+                out.append(reply)
             except RayActorError as exc:
                 self._dead.setdefault(w, Failure(w, None, self._died(w, exc), time.monotonic()))
         return out
@@ -259,9 +263,24 @@ class RayBackend:
             ray.kill(actor, no_restart=True)
         if self.actors:  # a call to a killed actor fails once Ray saw its process end: wait for that
             ray.wait([a.status.remote() for a in self.actors], num_returns=len(self.actors), timeout=_STOP_WAIT * 2)
+            _end_local_leftovers(getattr(self, "nodes", []))
         if self.group is not None:
             remove_placement_group(self.group)
         self.session.close()
+
+
+def _end_local_leftovers(nodes: Sequence[tuple[str, str, int]]) -> None:
+    """SIGKILL actor processes on this host that outlived `ray.kill`: on a two-node cluster an actor
+    blocked reading a channel from a killed peer was seen to stay alive after it."""
+    here = ray.util.get_node_ip_address()
+    for _, address, pid in nodes:
+        if address == here:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::StageActor"):
+                        os.kill(pid, 9)
+            except OSError:  # gone already
+                pass
 
 
 class RayPipeline(Executor):

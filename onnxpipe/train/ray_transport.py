@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from ray.exceptions import RayChannelError
+from ray.experimental.channel import Channel  # at import: actors import it on two threads at once otherwise
 
 __all__ = ["ChannelTransport", "open_channel", "CHANNEL_BYTES"]
 
@@ -33,8 +35,6 @@ CHANNEL_BYTES = 1 << 20
 def open_channel(writer: Any, reader: Any, reader_node: str) -> Any:
     """A channel that `writer` (an actor handle, or None for the driver) writes, read by the actor
     `reader` on node `reader_node`. Must be called in the writer's process."""
-    from ray.experimental.channel import Channel
-
     return Channel(writer, [(reader, reader_node)], CHANNEL_BYTES)
 
 
@@ -48,8 +48,6 @@ class _Reader(threading.Thread):
         self.transport = transport
 
     def run(self) -> None:
-        from ray.exceptions import RayChannelError
-
         while True:
             try:
                 key, microbatch, array = self.channel.read()
@@ -71,8 +69,6 @@ class _Writer(threading.Thread):
         self.outbox: queue.SimpleQueue[tuple[str, int, np.ndarray] | None] = queue.SimpleQueue()
 
     def run(self) -> None:
-        from ray.exceptions import RayChannelError
-
         while (message := self.outbox.get()) is not None:
             try:
                 self.channel.write(message)
