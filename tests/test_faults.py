@@ -90,8 +90,9 @@ def test_disk_full_during_split_is_one_line_from_the_cli(planned: tuple[Path, Gr
     _fail_at_stage(monkeypatch, 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out" / "stage_2.onnx")))
     result = CliRunner().invoke(app, ["split", str(root / "mlp.onnx"), "--plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in result.output
+    errors = [line for line in result.output.strip().splitlines() if line.startswith("error:")]  # stdout's batch line beside it
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "Traceback" not in result.output
+    assert result.output.strip().endswith(errors[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
