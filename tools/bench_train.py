@@ -2,7 +2,8 @@
 on the same cores, measured bubble against (k-1)/(m+k-1) (1F1B, and ZB-H1 beside it), transfer share of a step, and 1F1B vs GPipe
 peak activation memory per stage. Prints the table and rewrites its section of docs/benchmarks.md.
 
-Run: .venv/bin/python tools/bench_train.py [--steps N]
+Run: .venv/bin/python tools/bench_train.py [--steps N] [--ray]   (--ray: the Ray backend's step time over the local
+backend's for the same plan, its own section)
 """
 
 from __future__ import annotations
@@ -56,7 +57,13 @@ def pipelined(model_name: str, target: str, k: int, m: int, schedule: str, steps
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--ray", action="store_true", help="only the Ray backend against the local one")
     args = parser.parse_args()
+    if args.ray:
+        section = ray_rows(args.steps)
+        print(section)
+        write_section(NAME + "_ray", section)
+        return
     rows = []
     for model_name, target, k, m in CASES:
         base = min(single_process(model_name, m, args.steps, threads=t) for t in sorted({1, min(k, os.cpu_count() or 1)}))
@@ -93,6 +100,55 @@ def main() -> None:
     section = "\n".join(lines)
     print(section)
     write_section(NAME, section)
+
+
+
+# --- Ray backend against the local backend (`--ray`): same plan, steps interleaved -----------------
+
+RAY_CASES = [("gpt2-tiny", {}, 4), ("gpt2-tiny", {"batch": 32}, 4), ("resnet-tiny", {}, 4), ("resnet-tiny", {"batch": 64}, 4)]
+
+
+def ray_rows(steps: int) -> str:
+    """Median step time of the Ray backend over the local one for the same stage directory (gpt2-tiny and
+    resnet-tiny, k=2 on cpu2), both pipelines alive, one step of each in turn; with the simulator's
+    prediction for the plan. Ray runs on an instance of its own on this machine (loopback)."""
+    import os as _os
+
+    _os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import onnxpipe
+    from onnxpipe.plan.result import Plan
+    from onnxpipe.target import load_target
+
+    load0 = os.getloadavg()[0]
+    lines = []
+    for name, knobs, m in RAY_CASES:
+        model = models.build(name, train=True, **knobs)
+        opt = OptimizerConfig("sgd", lr=0.01)
+        with Pipeline(model, "cpu2", stages=2, microbatches=m, optimizer=opt) as local:
+            with Pipeline(local.directory, "cpu2", microbatches=m, optimizer=opt, backend="ray") as on_ray:
+                source = data_source(local, "synthetic")
+                for s in range(steps):
+                    batch = source.batch(s)
+                    local.train_step(batch)
+                    on_ray.train_step(batch)
+                a, b = local.metrics()["step_seconds"], on_ray.metrics()["step_seconds"]
+                predicted = onnxpipe.simulate(Plan.read(local.directory / "plan.json"), load_target("cpu2")).iteration_seconds
+        size = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "quick-start size"
+        lines.append(f"| {name} ({size}) k=2 m={m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {predicted * 1e3:.1f} | {(predicted - b) / b:+.0%} |")
+        print(lines[-1], flush=True)
+    load1 = os.getloadavg()[0]
+    return "\n".join([
+        "## Ray backend against the local backend (measured)",
+        "",
+        f"`tools/{NAME}.py --ray` ({steps} steps of each backend in turn, medians after the first step; Ray on an instance of its "
+        f"own on this 2-core machine; load average {load0:.1f} before, {load1:.1f} after"
+        f"{': loaded, other work was running' if max(load0, load1) > 1.0 else ''}). Same stage directory (cpu2, 2 stages); "
+        "predicted = the simulator's step for that plan on cpu2 (it models the local transport, not Ray's).",
+        "",
+        "| case | local ms/step | Ray ms/step | Ray / local | predicted ms | predicted vs Ray |",
+        "|---|---:|---:|---:|---:|---:|",
+        *lines,
+    ])
 
 
 if __name__ == "__main__":
