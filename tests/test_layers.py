@@ -68,3 +68,16 @@ def test_the_table_names_every_module() -> None:
     for path in sorted(PACKAGE.glob("*.py")):
         module = "onnxpipe" if path.stem == "__init__" else f"onnxpipe.{path.stem}"
         assert module in known, f"{module} is not in the layer table of docs/architecture.md"
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    """Sideways imports inside a layer are allowed, a cycle is not (function-local imports count too)."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph.add_edges_from((module, target) for target in imports_of(path) if target != module)
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(graph))
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

@@ -487,3 +487,21 @@ def test_train_command_checks_against_unpartitioned(tmp_path: Path) -> None:
     assert len(data["stages"]) == 2 and all(s["peak_memory_bytes"] > 0 for s in data["stages"])
     bad = CliRunner().invoke(app, ["train", str(tmp_path / "m.onnx"), "--batch", "7", "--steps", "1"])
     assert bad.exit_code == 2 and "--batch" in bad.output
+
+
+def test_pipeline_plans_the_optimizer_it_runs_and_a_directory_runs_on_its_target(tmp_path: Path) -> None:
+    """SGD with momentum keeps one state per weight, and the plan counts it; a stage directory trains on its manifest's target."""
+    from onnxpipe import Pipeline
+    from onnxpipe.plan.predict import read_plan
+
+    model = models.build("mlp", train=True)
+    with Pipeline(model, "fpga4", stages=2, microbatches=2, optimizer=SGD, processes=False) as pipe:
+        plan = read_plan(pipe.directory / "plan.json")
+        directory = pipe.directory
+        assert plan.optimizer == "momentum"
+        assert all(s.memory.optimizer == s.memory.parameters > 0 for s in plan.stages)
+        stages = tmp_path / "stages"
+        split(load(model), plan, stages)
+    with Pipeline(stages, microbatches=2, optimizer=SGD, processes=False) as pipe:
+        assert pipe.target == "fpga4" == pipe.manifest.target
+    assert not directory.exists()
