@@ -33,6 +33,7 @@ from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.plan import Plan, plan_model
+from procs import PARENT, live_processes
 
 split_module = importlib.import_module("onnxpipe.split")  # the package attribute `split` is the function
 checkpoint_module = importlib.import_module("onnxpipe.train.checkpoint")
@@ -199,23 +200,10 @@ def test_resume_recovers_an_interrupted_directory_swap(stage_dir: Path, tmp_path
 CLI = [sys.executable, "-m", "onnxpipe"]
 
 
-def _children(pid: int) -> list[int]:
-    """Live child processes of `pid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _workers(pid: int) -> list[int]:
     """The worker processes among `pid`'s children (not multiprocessing's resource tracker)."""
     found = []
-    for child in _children(pid):
+    for child in live_processes(PARENT, pid):
         try:
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)

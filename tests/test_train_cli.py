@@ -16,21 +16,9 @@ import onnx
 import pytest
 
 from onnxpipe import models
+from procs import SESSION, live_processes
 
 CLI = [sys.executable, "-m", "onnxpipe"]
-
-
-def _session_processes(sid: int) -> list[int]:
-    """Live processes of a session (a subprocess started with start_new_session=True and its children)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def test_npz_data_is_cut_into_consecutive_batches_that_cycle(tmp_path: Path) -> None:
@@ -59,9 +47,9 @@ def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path, delay: float) ->
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     deadline = time.monotonic() + 120
-    while len(_session_processes(proc.pid)) < 3 and time.monotonic() < deadline:  # the driver and its two workers
+    while len(live_processes(SESSION, proc.pid)) < 3 and time.monotonic() < deadline:  # the driver and its two workers
         time.sleep(0.2)
-    assert len(_session_processes(proc.pid)) >= 3, "workers never started"
+    assert len(live_processes(SESSION, proc.pid)) >= 3, "workers never started"
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: the whole foreground group
     stopped = time.monotonic()
@@ -71,7 +59,7 @@ def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path, delay: float) ->
     # The driver joined its workers before it exited; multiprocessing's resource tracker leaves once it reads the
     # driver's end close, whenever a loaded machine schedules it: wait for that, not a fixed time.
     left = time.monotonic() + 30
-    while _session_processes(proc.pid) and time.monotonic() < left:
+    while live_processes(SESSION, proc.pid) and time.monotonic() < left:
         time.sleep(0.1)
-    assert _session_processes(proc.pid) == []
+    assert live_processes(SESSION, proc.pid) == []
     assert not [p for p in Path("/dev/shm").glob("onnxpipe_*") if str(proc.pid) in p.name]

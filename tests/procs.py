@@ -1,0 +1,21 @@
+"""Live processes read off /proc, for the tests that check no process outlives a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Fields of /proc/PID/stat after the command name: 1 is the parent PID, 3 the session id.
+PARENT, SESSION = 1, 3
+
+
+def live_processes(field: int, value: int) -> list[int]:
+    """PIDs of the live (not zombie) processes whose stat `field` equals `value`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[field]) == value and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
