@@ -435,10 +435,10 @@ def split(
         extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
         graph, _, _, plan = plan_model(model, target, dims=binding.dims, ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
                                        **options, **extra)
-    print_batch(binding, plan.batch, plan.microbatches)
-    print_shared(graph.shared)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
+    print_batch(binding, plan.batch, plan.microbatches)  # once written: a failed split prints its one error line alone
+    print_shared(graph.shared)
 
     table = Table(title=f"{len(manifest.stages)} stage{'s' if len(manifest.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}")
     for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
