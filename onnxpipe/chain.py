@@ -2,24 +2,24 @@
 feed checks and .npz files that `run` shares. (Inference as a pipeline over micro-batches runs on the
 executor: `onnxpipe.train.infer.run_pipeline`.)
 
-Reading order: `chain` -> `check_feeds` -> `read_npz` / `write_npz`.
+Reading order: `chain` -> `check_feeds` -> `write_npz`.
 """
 
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.feeds import IndexRange, ensure_feed, index_ranges
 from onnxpipe.fileio import atomic_path
 from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.ortutil import cpu_session, ort_reason
 
-__all__ = ["chain", "check_feeds", "session", "read_npz", "write_npz"]
+__all__ = ["chain", "check_feeds", "session", "write_npz"]
 
 
 def session(path: str | os.PathLike) -> object:
@@ -30,9 +30,10 @@ def session(path: str | os.PathLike) -> object:
         raise OnnxpipeError(f"{path}: onnxruntime cannot load it ({ort_reason(exc)}); re-split the model with `onnxpipe split`") from exc
 
 
-def check_feeds(inputs: tuple[StageInput, ...], feeds: Mapping[str, np.ndarray], microbatches: int = 1) -> dict[str, np.ndarray]:
-    """Feeds as arrays of the manifest's dtypes; a missing or wrongly shaped array is an OnnxpipeError
-    naming it and the expected shape (axis 0 holds `microbatches` stage batches)."""
+def check_feeds(inputs: tuple[StageInput, ...], feeds: Mapping[str, np.ndarray], microbatches: int = 1,
+                ranges: Mapping[str, IndexRange] | None = None) -> dict[str, np.ndarray]:
+    """Feeds as arrays of the manifest's dtypes; a missing or wrongly shaped array, a dtype that does not
+    fit or an index outside `ranges` is an OnnxpipeError naming it (axis 0 holds `microbatches` stage batches)."""
     checked = {}
     for spec in inputs:
         expected = _full_shape(spec.shape, microbatches)
@@ -42,7 +43,7 @@ def check_feeds(inputs: tuple[StageInput, ...], feeds: Mapping[str, np.ndarray],
         if tuple(value.shape) != expected:
             hint = f" ({microbatches} micro-batches of {spec.shape[0]})" if microbatches > 1 and spec.shape else ""
             raise OnnxpipeError(f"input '{spec.name}' has shape {tuple(value.shape)}; the stages expect {expected}{hint}")
-        checked[spec.name] = value.astype(spec.dtype, copy=False) if spec.dtype != "unknown" else value
+        checked[spec.name] = ensure_feed(spec, value, ranges or {})
     return checked
 
 
@@ -53,7 +54,7 @@ def _full_shape(shape: tuple[int, ...], microbatches: int) -> tuple[int, ...]:
 def chain(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run the stages in order, each on the model inputs and earlier stages' outputs it lists."""
     manifest = Manifest.read(directory)
-    values: dict[str, np.ndarray] = dict(check_feeds(manifest.inputs, feeds))
+    values: dict[str, np.ndarray] = dict(check_feeds(manifest.inputs, feeds, ranges=index_ranges(directory, manifest)))
     for stage in manifest.stages:
         values.update(_run_stage(session(Path(directory) / stage.file), stage, values))
     return {out.name: values[out.name] for out in manifest.outputs}
@@ -69,15 +70,6 @@ def _run_stage(sess: object, stage: Stage, values: Mapping[str, np.ndarray]) -> 
     return dict(zip(names, results))
 
 
-def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Arrays of an .npz file by name."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except FileNotFoundError:
-        raise OnnxpipeError(f"{path}: no such file; pass an .npz with one array per model input (np.savez)") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise OnnxpipeError(f"{path}: not a readable .npz ({exc}); write it with np.savez(path, name=array, ...)") from exc
 
 
 def write_npz(arrays: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:

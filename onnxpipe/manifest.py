@@ -5,6 +5,7 @@ Plain JSON on purpose: a runtime without onnxpipe chains the stages by reading i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -18,6 +19,7 @@ import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.records import RecordError, from_json
+from onnxpipe.safepath import reference_from, reference_to
 
 __all__ = ["MANIFEST_FORMAT", "StageInput", "StageOutput", "Stage", "SharedInitializer", "Manifest"]
 
@@ -117,11 +119,12 @@ class Manifest:
             raise OnnxpipeError(f"{path}: not valid JSON ({exc}); rewrite the directory with `onnxpipe split`") from exc
         manifest = cls.from_json(data, str(path))
         _ensure_consistent(manifest, Path(directory))
-        return manifest
+        return dataclasses.replace(manifest, model=reference_to(manifest.model, directory))
 
     def write(self, directory: str | os.PathLike) -> None:
+        """manifest.json in `directory`, the model's path recorded relative to it."""
         path = Path(directory) / "manifest.json"
-        path.write_text(json.dumps(self.to_json(), indent=2))
+        path.write_text(json.dumps(self.to_json() | {"model": reference_from(self.model, directory)}, indent=2))
 
 
 #: Bytes one tensor named in a manifest may have: far beyond any real model, short of what numpy refuses to allocate.

@@ -16,7 +16,7 @@ import onnx
 
 from onnxpipe.errors import OnnxpipeError
 
-__all__ = ["inside", "external_locations", "ensure_external_data_inside"]
+__all__ = ["inside", "external_locations", "ensure_external_data_inside", "reference_from", "reference_to"]
 
 
 def inside(directory: str | os.PathLike, name: object, what: str, fix: str) -> Path:
@@ -75,3 +75,21 @@ def ensure_external_data_inside(path: str | os.PathLike, model: onnx.ModelProto,
     for name, location in external_locations(model):
         if location != Path(path).name:
             inside(Path(path).parent, location, f"{path}: the external data of tensor '{name}'", fix)
+
+
+def reference_from(path: str, folder: str | os.PathLike) -> str:
+    """How a file in `folder` records `path` (the model a plan or stage directory was made from): relative
+    to `folder`, so the pair can move together and be read from any working directory."""
+    if path == "<memory>" or not path:
+        return path
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(folder))
+
+
+def reference_to(recorded: str, folder: str | os.PathLike) -> str:
+    """The path a file in `folder` recorded with `reference_from`, usable from the working directory.
+    Files written before references were relative to their folder held the path as given then: kept
+    when only that one exists."""
+    if recorded == "<memory>" or not recorded or os.path.isabs(recorded):
+        return recorded
+    joined = os.path.normpath(os.path.join(folder, recorded))
+    return recorded if not os.path.exists(joined) and os.path.exists(recorded) else joined

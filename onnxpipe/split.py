@@ -12,6 +12,7 @@ fresh ModelProto, its large initializers' bytes are streamed from the source mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -82,7 +83,7 @@ def split(graph: Graph, plan: Plan, out_dir: str | os.PathLike, *, force: bool =
         )
         manifest = _manifest(graph, plan, stages, layouts)
         manifest.write(tmp)
-        plan.save(tmp / "plan.json")
+        dataclasses.replace(plan, model=graph.source).save(tmp / "plan.json")  # the model split, whichever copy the plan was made on
         if annotated_path is not None:  # before publishing: a failure here leaves no stage directory behind
             annotate_stages(graph, plan, annotated_path)
         _publish(tmp, target, force)

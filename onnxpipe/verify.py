@@ -3,7 +3,6 @@ the unsplit model in onnxruntime, max relative error per output."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,10 +17,23 @@ from onnxpipe.protostream import read_header
 from onnxpipe.safepath import ensure_external_data_inside
 from onnxpipe.split import MAX_IR_VERSION
 
-__all__ = ["verify", "random_feeds", "relative_error", "TOLERANCE"]
+__all__ = ["verify", "random_feeds", "relative_error", "tolerance", "TOLERANCE"]
 
-#: Max relative error (fp32) accepted between chained stages and the unsplit model.
+#: Max relative error (fp32, fp64) accepted between chained stages and the unsplit model.
 TOLERANCE = 1e-5
+#: Half-precision outputs: a stage boundary rounds activations to the format, whose unit roundoff is
+#: 4.9e-4 (float16) and 3.9e-3 (bfloat16); a few roundings through a layer or two stay within these.
+_HALF_TOLERANCES = {"float16": 1e-2, "bfloat16": 5e-2}
+
+
+def tolerance(dtype: str, rtol: float | None = None) -> float:
+    """The relative error accepted for an output of `dtype`: `rtol` when given, else by precision
+    (integers and booleans must match exactly)."""
+    if rtol is not None:
+        return rtol
+    if dtype in _HALF_TOLERANCES:
+        return _HALF_TOLERANCES[dtype]
+    return TOLERANCE if dtype == "unknown" or dtype.startswith(("float", "complex")) else 0.0
 
 
 def random_feeds(inputs: tuple[StageInput, ...], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -39,25 +51,27 @@ def random_feeds(inputs: tuple[StageInput, ...], rng: np.random.Generator) -> di
     return feeds
 
 
-def relative_error(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| / max |want|: relative to the output's scale, so entries near zero do not blow up."""
+def relative_error(got: np.ndarray, want: np.ndarray, atol: float = 0.0) -> float:
+    """max |got - want| / max |want|: relative to the output's scale, so entries near zero do not blow up;
+    differences up to `atol` count as none."""
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         return float("inf")
-    diff = float(np.max(np.abs(got - want), initial=0.0))
+    diff = max(0.0, float(np.max(np.abs(got - want), initial=0.0)) - atol)
     scale = float(np.max(np.abs(want), initial=0.0))
     return diff / scale if scale > 0 else diff
 
 
 def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims: Mapping[str, int] | None = None,
-           samples: int = 2, seed: int = 0) -> dict[str, float]:
-    """Max relative error per model output over `samples` random input sets."""
+           samples: int = 2, seed: int = 0, atol: float = 0.0) -> dict[str, float]:
+    """Max relative error per model output over `samples` random input sets (beyond `atol`)."""
     if samples < 1:
         raise OnnxpipeError(f"--samples {samples}: must be at least 1")
     manifest = Manifest.read(directory)
     _ensure_same_dims(Path(directory), dims)
     original = _original_session(Path(model_path))
     names = [o.name for o in manifest.outputs]
+    _ensure_same_interface(manifest, original, model_path)
     rng = np.random.default_rng(seed)
     errors = dict.fromkeys(names, 0.0)
     for _ in range(samples):
@@ -65,15 +79,25 @@ def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims:
         want = dict(zip(names, original.run(names, feeds)))  # type: ignore[attr-defined]
         got = chain(directory, feeds)
         for name in names:
-            errors[name] = max(errors[name], relative_error(got[name], want[name]))
+            errors[name] = max(errors[name], relative_error(got[name], want[name], atol))
     return errors
 
 
+def _ensure_same_interface(manifest: Manifest, original: object, model_path: str | os.PathLike) -> None:
+    """The model takes the inputs the stages take and makes the outputs they make."""
+    for kind, theirs, ours in (("inputs", original.get_inputs(), manifest.inputs), ("outputs", original.get_outputs(), manifest.outputs)):  # type: ignore[attr-defined]
+        have, want = sorted(v.name for v in theirs), sorted(v.name for v in ours)
+        if have != want:
+            raise OnnxpipeError(f"{model_path}: its {kind} {have} differ from the stages' {want}; pass the model the stages were split from")
+
+
 def _ensure_same_dims(directory: Path, dims: Mapping[str, int] | None) -> None:
+    from onnxpipe.plan.result import Plan
+
     plan_path = directory / "plan.json"
     if not dims or not plan_path.is_file():
         return
-    used = json.loads(plan_path.read_text()).get("dims", {})
+    used = Plan.read(plan_path).dims
     differ = {k: v for k, v in dims.items() if used.get(k) != v}
     if differ:
         name, value = next(iter(differ.items()))

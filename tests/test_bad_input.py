@@ -9,12 +9,14 @@ that must not exist afterwards.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,14 @@ def _einsum_with_loss() -> onnx.ModelProto:
     return _model(nodes, [vi("x", TensorProto.FLOAT, [2, 4])], [vi("loss", TensorProto.FLOAT, [])], [w])
 
 
+def _embedding() -> onnx.ModelProto:
+    """Token ids into a 10-row table: the ids must lie in [0, 10)."""
+    vi = helper.make_tensor_value_info
+    table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["h"], name="embed"), helper.make_node("Relu", ["h"], ["y"], name="act")]
+    return _model(nodes, [vi("ids", TensorProto.INT64, [2, 3])], [vi("y", TensorProto.FLOAT, [2, 3, 4])], [table])
+
+
 def _target(memory: str, extra: str = "") -> str:
     return f"""name = "tiny"
 description = "two small accelerators"
@@ -97,8 +107,11 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     onnx.save(_fails_checker(), str(root / "fails_checker.onnx"))
     onnx.save(_symbolic(), str(root / "symbolic.onnx"))
     onnx.save(_einsum_with_loss(), str(root / "einsum.onnx"))
+    onnx.save(_embedding(), str(root / "embedding.onnx"))
     graph, _, _, plan = plan_model(root / "mlp.onnx", "fpga4", stages=2, time_limit=5)
     split(graph, plan, root / "stages")
+    graph, _, _, plan = plan_model(root / "embedding.onnx", "fpga4", stages=1, time_limit=5)
+    split(graph, plan, root / "embedding-stages")
     load(root / "mlp.onnx")  # the base must itself be good input
     np.savez(root / "good.npz", x=np.zeros((8, 16), np.float32))
     return root
@@ -264,6 +277,14 @@ def _checkpoint_of(optimizer: str) -> Callable[[Path, Path], None]:
     return make
 
 
+def _forged_npz(tmp: Path, base: Path) -> None:
+    """An .npz whose one array declares 10^12 floats and holds none."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**12,)})
+    with zipfile.ZipFile(tmp / "in.npz", "w") as archive:
+        archive.writestr("x.npy", header.getvalue())  # magic and header, no data
+
+
 def _checkpoint_out(tmp: Path, base: Path) -> None:
     (tmp / "ck").mkdir()
     _secret(tmp / "ck")
@@ -400,6 +421,24 @@ CASES = [
          r"manifest\.json: stages: expected a list, got null", ("o.npz",)),
     Case("manifest-bad-dtype", edited_stages(lambda d, _: _set("inputs.0.dtype", "float99")(d)), ("verify", "stages", "mlp.onnx"),
          r"manifest\.json: inputs\[0\]\.dtype: 'float99' is no ONNX tensor type"),
+    Case("token-id-out-of-range", both(copy("embedding-stages"), npz(ids=np.array([[0, 10, 2], [3, 4, 5]]))),
+         ("run", "embedding-stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"input 'ids' holds 10 at \[0, 1\]; it indexes the 10 rows of the table Gather 'embed' reads: give values in \[0, 10\)", ("o.npz",)),
+    Case("token-id-negative", both(copy("embedding-stages"), npz(ids=np.array([[0, 1, 2], [3, -1, 5]]))),
+         ("run", "embedding-stages", "--inputs", "in.npz", "-o", "o.npz"), r"input 'ids' holds -1 at \[1, 1\]; .*give values in \[0, 10\)", ("o.npz",)),
+    Case("token-id-float", both(copy("embedding-stages"), npz(ids=np.full((2, 3), 1.5))),
+         ("run", "embedding-stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"input 'ids' holds float64 values; the model takes int64: give integers \(ids, labels, counts\)", ("o.npz",)),
+    Case("npz-strings", both(copy("stages"), npz(x=np.array(["a", "b"]))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"in\.npz: array 'x' holds <U1 values; give numbers or booleans", ("o.npz",)),
+    Case("npz-forged-shape", both(copy("stages"), _forged_npz), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),
+         r"in\.npz: array 'x' declares shape \(1000000000000,\), more than the file holds", ("o.npz",)),
+    Case("npz-0-d-training-data", both(copy("stages"), npz(x=np.float32(1), y=np.zeros((16, 10), np.float32))),
+         ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "1", "--data", "in.npz", "--json", "t.json"),
+         r"in\.npz: array 'x' is a single value \(0-d\); give one row per sample", ("t.json",)),
+    Case("verify-another-model", copy("stages", "other.onnx"), ("verify", "stages", "other.onnx"),
+         r"other\.onnx: its inputs \[.*\] differ from the stages' \['x'\]; pass the model the stages were split from"),
+    Case("verify-rtol-negative", copy("stages", "mlp.onnx"), ("verify", "stages", "mlp.onnx", "--rtol", "-1"), r"--rtol -1\.0: must be a finite number 0 or more"),
     Case("manifest-not-json", both(copy("stages", "good.npz"), write("stages/manifest.json", "[")), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
          r"manifest\.json: not valid JSON", ("o.npz",)),
     Case("npz-missing-array", both(copy("stages"), npz(y=np.zeros(3))), ("run", "stages", "--inputs", "in.npz", "-o", "o.npz"),

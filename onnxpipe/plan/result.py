@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.pricing.stage import Memory, seconds_per_microbatch
 from onnxpipe.records import RecordError, from_json
+from onnxpipe.safepath import reference_from, reference_to
 
 __all__ = ["Memory", "StagePlan", "SolveInfo", "Candidate", "Plan", "PLAN_FORMAT"]
 
@@ -156,9 +157,9 @@ class Plan:
         return plan
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a reader never sees half a plan."""
+        """Write atomically: a reader never sees half a plan. The model's path is recorded relative to the plan's folder."""
         try:
-            write_json(path, self.to_json())
+            write_json(path, self.to_json() | {"model": reference_from(self.model, Path(path).parent)})
         except OSError as exc:
             raise OnnxpipeError(f"{path}: cannot write the plan ({exc.strerror}); choose a writable -o path") from exc
 
@@ -170,7 +171,8 @@ class Plan:
             raise OnnxpipeError(f"{path}: no such plan file; write one with `onnxpipe plan ... -o {path}`") from exc
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise OnnxpipeError(f"{path}: not valid JSON ({exc}); regenerate it with `onnxpipe plan`") from exc
-        return cls.from_json(data, str(path))
+        plan = cls.from_json(data, str(path))
+        return replace(plan, model=reference_to(plan.model, Path(path).parent))
 
 
 def _ensure_values(plan: Plan) -> None:

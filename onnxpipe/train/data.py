@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.feeds import IndexRange, ensure_feed, read_npz
 from onnxpipe.manifest import StageInput
 
 __all__ = ["split_microbatches", "BatchSource", "SyntheticData", "FileData", "open_data"]
@@ -32,7 +33,7 @@ def split_microbatches(batch: Mapping[str, np.ndarray], inputs: Sequence[StageIn
                 f"input {spec.name!r} has shape {tuple(array.shape)}, expected {want} "
                 f"({microbatches} micro-batches of {spec.shape[0] if spec.shape else 1}); pass --batch {microbatches * (spec.shape[0] if spec.shape else 1)} or re-split the model for another batch"
             )
-        array = array.astype(spec.dtype, copy=False)
+        array = ensure_feed(spec, array, {})
         for i, piece in enumerate(np.split(array, microbatches, axis=0)):
             parts[i][spec.name] = np.ascontiguousarray(piece)
     return parts
@@ -82,18 +83,17 @@ class FileData(BatchSource):
         return {k: v[start:start + self.batch_size] for k, v in self.arrays.items()}
 
 
-def open_data(path: str | Path, inputs: Sequence[StageInput], batch_size: int) -> FileData:
-    """Read an .npz holding one array per model input (and labels); checks names and row counts."""
+def open_data(path: str | Path, inputs: Sequence[StageInput], batch_size: int, ranges: Mapping[str, IndexRange] | None = None) -> FileData:
+    """Read an .npz holding one array per model input (and labels); checks names, row counts, dtypes and index ranges."""
     path = Path(path)
-    try:
-        with np.load(path) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise OnnxpipeError(f"{path}: cannot read as .npz ({exc}); write it with numpy.savez(path, name=array, ...)") from exc
+    arrays = read_npz(path)
     missing = [i.name for i in inputs if i.name not in arrays]
     if missing:
         raise OnnxpipeError(f"{path}: no array for input(s) {', '.join(missing)}; it holds: {', '.join(arrays) or 'nothing'}")
+    flat = [i.name for i in inputs if arrays[i.name].ndim == 0]
+    if flat:
+        raise OnnxpipeError(f"{path}: array '{flat[0]}' is a single value (0-d); give one row per sample, batch axis first")
     rows = {len(arrays[i.name]) for i in inputs}
     if len(rows) != 1 or min(rows) < batch_size:
         raise OnnxpipeError(f"{path}: arrays need the same number of rows, at least --batch {batch_size} (got {sorted(rows)})")
-    return FileData({i.name: arrays[i.name] for i in inputs}, batch_size)
+    return FileData({i.name: ensure_feed(i, arrays[i.name], ranges or {}) for i in inputs}, batch_size)

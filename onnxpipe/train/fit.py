@@ -7,9 +7,10 @@ import contextlib
 from collections.abc import Callable
 
 import numpy as np
-import onnx
 
 from onnxpipe.train.checkpoint import hold_checkpoint_dir
+from onnxpipe import feeds
+from onnxpipe.feeds import IndexRange
 from onnxpipe.train.data import BatchSource, SyntheticData, open_data
 from onnxpipe.train.loss import classes
 from onnxpipe.train.pipeline import Pipeline
@@ -17,35 +18,22 @@ from onnxpipe.train.pipeline import Pipeline
 __all__ = ["data_source", "index_ranges", "fit", "check"]
 
 
-def index_ranges(pipeline: Pipeline) -> dict[str, int]:
-    """Upper bound of every integer model input: the table a Gather indexes or the classes a loss scores."""
-    from onnxpipe.graph import load
-
-    ranges: dict[str, int] = {}
-    for st in pipeline.manifest.stages:
-        graph = load(onnx.load(str(pipeline.directory / st.file)))
-        for name in graph.inputs:
-            for node in graph.consumers(name):
-                n = graph.node(node)
-                if n.op_type == "Gather" and n.input[1] == name:
-                    size = graph.tensors[n.input[0]].shape[0]
-                elif n.op_type == "SoftmaxCrossEntropyLoss" and n.input[1] == name:
-                    size = graph.tensors[n.input[0]].shape[1]
-                else:
-                    continue
-                ranges[name] = min(ranges.get(name, size), size)
+def index_ranges(pipeline: Pipeline) -> dict[str, IndexRange]:
+    """The range of every integer model input: the table a Gather indexes or the classes a loss scores
+    (the loss `--loss` appends included)."""
+    ranges = feeds.index_ranges(pipeline.directory, pipeline.manifest)
     loss = pipeline.config.loss
     if loss is not None and loss.kind == "cross_entropy":
         out = next(o for o in pipeline.manifest.outputs if o.name == loss.output)
-        ranges[loss.labels] = classes(loss, tuple(out.shape))
+        ranges[loss.labels] = IndexRange(classes(loss, tuple(out.shape)), f"classes of output '{loss.output}' --loss cross_entropy scores")
     return ranges
 
 
 def data_source(pipeline: Pipeline, data: str, seed: int = 0) -> BatchSource:
     """`synthetic` (seeded, right shapes, labels in range) or an .npz file cut into batches."""
     if data == "synthetic":
-        return SyntheticData(pipeline.inputs, pipeline.config.microbatches, index_ranges(pipeline), seed)
-    return open_data(data, pipeline.inputs, pipeline.batch)
+        return SyntheticData(pipeline.inputs, pipeline.config.microbatches, {k: r.high for k, r in index_ranges(pipeline).items()}, seed)
+    return open_data(data, pipeline.inputs, pipeline.batch, index_ranges(pipeline))
 
 
 def fit(pipeline: Pipeline, source: BatchSource, steps: int, *, checkpoint_dir: str | None = None, every: int = 0,

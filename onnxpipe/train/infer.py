@@ -13,6 +13,7 @@ import numpy as np
 
 from onnxpipe.chain import check_feeds
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.feeds import index_ranges
 from onnxpipe.manifest import Manifest
 from onnxpipe.train.executor import Executor
 from onnxpipe.train.leftovers import sweep_dead_runs
@@ -31,7 +32,7 @@ def run_pipeline(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], 
     if microbatches < 1:
         raise OnnxpipeError(f"--microbatches {microbatches}: must be at least 1")
     manifest = Manifest.read(directory)
-    full = check_feeds(manifest.inputs, feeds, microbatches)
+    full = check_feeds(manifest.inputs, feeds, microbatches, index_ranges(directory, manifest))
     parts = {name: [a] * microbatches if a.ndim == 0 else np.split(a, microbatches) for name, a in full.items()}
     slices = [{name: p[j] for name, p in parts.items()} for j in range(microbatches)]
     specs = prepare_inference(directory, manifest, microbatches, stage_threads(manifest))
