@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 #: Fields of /proc/PID/stat after the command name: 1 is the parent PID, 3 the session id.
@@ -19,3 +20,10 @@ def live_processes(field: int, value: int) -> list[int]:
         if int(fields[field]) == value and fields[0] != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+def as_in_a_terminal() -> None:
+    """`preexec_fn` for a command the test will Ctrl-C: SIGINT at its default, as in a terminal's foreground job.
+    A shell starts background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt handler,
+    so without this the test would depend on how the suite itself was launched."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -28,6 +28,7 @@ from onnxpipe.errors import OnnxpipeError  # noqa: E402
 from onnxpipe.train.fit import data_source, fit  # noqa: E402
 from onnxpipe.train.pipeline import Pipeline  # noqa: E402
 from onnxpipe.train.prepare import TrainConfig  # noqa: E402
+from procs import as_in_a_terminal  # noqa: E402
 from test_train import SGD, M, _alive, _global_batches, stage_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +154,8 @@ def test_command_line_trains_on_ray_and_ctrl_c_stops_every_actor(cluster: object
     cmd = [sys.executable, "-m", "onnxpipe", "train", str(directory), "--backend", "ray", "--address", cluster.address,  # type: ignore[attr-defined]
            "--microbatches", str(M), "--steps", "100000"]
     before = _actor_processes()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+                            preexec_fn=as_in_a_terminal)
     deadline = time.monotonic() + 120
     while len(_actor_processes() - before) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)

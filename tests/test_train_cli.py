@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from onnxpipe import models
-from procs import SESSION, live_processes
+from procs import SESSION, as_in_a_terminal, live_processes
 
 CLI = [sys.executable, "-m", "onnxpipe"]
 
@@ -44,7 +44,7 @@ def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path, delay: float) ->
     proc = subprocess.Popen(
         [*CLI, "train", str(tmp_path / "gpt2.onnx"), "--target", "cpu2", "--stages", "2", "--batch", "16", "--microbatches", "2",
          "--steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=as_in_a_terminal,
     )
     deadline = time.monotonic() + 120
     while len(live_processes(SESSION, proc.pid)) < 3 and time.monotonic() < deadline:  # the driver and its two workers
