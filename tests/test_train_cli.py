@@ -53,7 +53,12 @@ def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path, delay: float) ->
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: the whole foreground group
     stopped = time.monotonic()
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # never leave a driver training on behind a failed test
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     assert time.monotonic() - stopped < 10
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
     # The driver joined its workers before it exited; multiprocessing's resource tracker leaves once it reads the
