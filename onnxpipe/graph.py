@@ -25,7 +25,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
 from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures
 from onnxpipe.ortutil import cpu_session
-from onnxpipe.protostream import read_model, skeleton
+from onnxpipe.protostream import read_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
 
 __all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
@@ -89,7 +89,7 @@ class Graph:
     def weights_dir(self) -> str | None:
         """The folder the model's on-disk weights are read from (external-data locations are relative
         to it); None for a model given in memory."""
-        return None if self.source == "<memory>" else str(Path(self.source).parent)
+        return None if self.source == "<memory>" else str(weights_dir(self.source))
 
     def node(self, name: str) -> onnx.NodeProto:
         """The NodeProto of a node name."""
@@ -173,7 +173,7 @@ def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | 
     full memory and time)."""
     model, origin = _read_model(source)
     model = _normalize(model)
-    shared = shared_initializers(model, ties or TieChoice(), None if origin == "<memory>" else Path(origin).parent)
+    shared = shared_initializers(model, ties or TieChoice(), None if origin == "<memory>" else weights_dir(origin))
     untie_in_place(model, (s.name for s in shared if s.untied))
     dims = dict(dims or {})
     _bind_dims(model, dims, origin)
@@ -387,7 +387,7 @@ def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in probe.graph.initializer):
-        onnx.external_data_helper.load_external_data_for_model(probe, str(Path(origin).parent))
+        onnx.external_data_helper.load_external_data_for_model(probe, str(weights_dir(origin)))
     del probe.graph.output[:]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in missing)
     if probe.ir_version > 10:

@@ -27,7 +27,7 @@ from onnx import helper
 
 from onnxpipe.safepath import ensure_external_data_inside
 
-__all__ = ["read_model", "read_header", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
+__all__ = ["read_model", "read_header", "weights_dir", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
            "is_external", "raw_nbytes", "all_equal", "ON_DISK_BYTES"]
 
 #: Weights larger than this stay on disk when a model is read; smaller ones (shape tables, scalars) are read.
@@ -93,6 +93,8 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse a model file one record at a time, its weights over ON_DISK_BYTES left on disk as
     external-data references (relative to the file's folder); small external tensors are read in."""
     path = Path(path)
+    if path.resolve() != path.absolute():  # reached through a link: weights are read beside the real file
+        path = path.resolve()
     model = _parse(path, weights=True)
     ensure_external_data_inside(path, model, "keep a model's external-data files in its own directory and re-save it")
     for tensor in model.graph.initializer:
@@ -101,6 +103,12 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
             tensor.ClearField("data_location")
             del tensor.external_data[:]
     return model
+
+
+def weights_dir(path: str | os.PathLike) -> Path:
+    """The folder a model file's on-disk weights are read from (its external data and `read_model`'s
+    references): the real file's, a symlinked model followed, as onnx refuses weights read through a link."""
+    return Path(path).resolve().parent
 
 
 def read_header(path: str | os.PathLike) -> onnx.ModelProto:

@@ -11,7 +11,8 @@ import pytest
 from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
-from onnxpipe.protostream import ON_DISK_BYTES, all_equal, inline_external_data, is_external, load_weights, raw_nbytes, read_model, skeleton, write_model
+from onnxpipe.protostream import ON_DISK_BYTES, all_equal, inline_external_data, is_external, load_weights, raw_nbytes, read_model, skeleton, weights_dir, write_model
+from onnxpipe.plan import plan_model
 
 
 def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -32,6 +33,24 @@ def test_read_model_leaves_weights_on_disk_and_equals_onnx_load_once_read(tmp_pa
     assert skeleton(read.graph, "initializer") == skeleton(want.graph, "initializer")
     assert [t.name for t in read.graph.initializer] == [t.name for t in want.graph.initializer]
     assert all(np.array_equal(a, b) for a, b in zip(initializers(read).values(), initializers(want).values()))
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_a_model_reached_through_a_symlink_is_read_and_profiled(tmp_path: Path, external: bool) -> None:
+    """onnx refuses weights read through a link ("... but it is a symbolic link"): they are read beside the
+    real file, so profiling (which runs the model with every weight) works on a linked model."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "links").mkdir()
+    models.save(models.build("gpt2-tiny", train=True), tmp_path / "real" / "m.onnx", external=external)
+    link = tmp_path / "links" / "l.onnx"
+    link.symlink_to(tmp_path / "real" / "m.onnx")
+    assert weights_dir(link) == (tmp_path / "real").resolve()
+    read = read_model(link)
+    load_weights(read, weights_dir(link))
+    want = onnx.load(str(tmp_path / "real" / "m.onnx"))
+    assert all(np.array_equal(a, b) for a, b in zip(initializers(read).values(), initializers(want).values()))
+    graph, _, _, plan = plan_model(link, "cpu2", time_limit=5)
+    assert graph.weights_dir == str((tmp_path / "real").resolve()) and plan.bottleneck_seconds > 0
 
 
 def test_on_disk_weights_stream_into_a_new_file(tmp_path: Path) -> None:

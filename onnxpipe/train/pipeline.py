@@ -28,7 +28,7 @@ from onnxpipe.fileio import atomic_path
 from onnxpipe.gradients import ensure_gradients
 from onnxpipe.initializers import SharedInitializer, TieChoice, untie
 from onnxpipe.manifest import Manifest
-from onnxpipe.protostream import load_weights, read_model
+from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.simulate import Event
 from onnxpipe.target import load_target
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
@@ -289,7 +289,7 @@ class Pipeline:
                                     "pass the model instead of the directory")
             try:
                 model = read_model(self._model)
-                load_weights(model, self._model.parent)  # training reads every weight
+                load_weights(model, weights_dir(self._model))  # training reads every weight
                 self._model = model
             except OnnxpipeError:
                 raise

@@ -14,7 +14,7 @@ import onnx
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, Stage, StageInput
-from onnxpipe.protostream import load_weights, read_model
+from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.schedule import SCHEDULES, Table, add_communication, build, forward_only, replicate, table
 from onnxpipe.target import load_target
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
@@ -144,7 +144,7 @@ def stage_rows(lowered: Table, stages: int) -> Table:
 def _read_stage(path: Path) -> onnx.ModelProto:
     """A stage file with every weight read in (a session runs the whole stage)."""
     model = read_model(path)
-    load_weights(model, path.parent)
+    load_weights(model, weights_dir(path))
     return model
 
 
