@@ -19,6 +19,7 @@ import onnx
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.protostream import read_header
+from onnxpipe.units import plural
 
 __all__ = ["BatchBinding", "bind_batch", "stage_dims", "model_inputs"]
 
@@ -45,7 +46,7 @@ class BatchBinding:
             source = f"symbolic dim '{self.symbol}' bound to {batch // microbatches} by {how}"
         else:
             source = "the model's batch"
-        return f"batch {batch} per iteration = {microbatches} micro-batch{'es' if microbatches != 1 else ''} of {batch // microbatches} ({source})"
+        return f"batch {batch} per iteration = {plural(microbatches, 'micro-batch')} of {batch // microbatches} ({source})"
 
 
 def model_inputs(source: str | os.PathLike | onnx.ModelProto) -> Sequence[onnx.ValueInfoProto]:
@@ -104,7 +105,7 @@ def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, i
         dims[symbol] = batch // m
         return BatchBinding(dims, batch // m, m, symbol, False)
     if fixed is not None and batch is not None and m and batch != fixed * m:
-        raise OnnxpipeError(f"--batch {batch} with {m} micro-batches needs micro-batches of {batch / m:g}, but the model's batch is fixed at {fixed}: "
+        raise OnnxpipeError(f"--batch {batch} with {plural(m, 'micro-batch')} needs micro-batches of {batch / m:g}, but the model's batch is fixed at {fixed}: "
                             f"pass --batch {fixed * m}, or re-export the model with a symbolic batch dim")
     return BatchBinding(dims, fixed, m, None, False)
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.units import plural
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cut ONNX models into balanced pipeline stages and train them as a pipeline.")
 #: Tables keep their columns when output goes to a file or pipe (rich would assume 80 columns).
@@ -197,7 +198,7 @@ def _models_build(
     model = models.build(name, **knobs)
     written = models.save(model, output)
     size = sum(p.stat().st_size for p in written)
-    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {len(model.graph.node)} nodes, {size / 2**20:.1f} MiB)")
+    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {plural(len(model.graph.node), 'node')}, {size / 2**20:.1f} MiB)")
 
 
 # --- targets ---------------------------------------------------------------
@@ -251,7 +252,7 @@ def targets_show(target: str = typer.Argument(..., help="A bundled target name o
         efficiency.add_column(column)
     for group, members in t.groups().items():
         d = members[0]
-        kind = f"{d.kind}, {d.threads} thread{'s' if d.threads > 1 else ''}" if d.kind == "cpu" else d.kind
+        kind = f"{d.kind}, {plural(d.threads, 'thread')}" if d.kind == "cpu" else d.kind
         instances = f"{members[0].name}..{len(members) - 1}" if len(members) > 1 else d.name
         devices.add_row(group, kind, instances, format_bytes(d.memory_bytes), format_rate(d.memory_bandwidth), format_seconds(d.op_overhead))
         peak.add_row(group, *(format_flops(d.peak_flops[dtype], dtype) if dtype in d.peak_flops else "-" for dtype in dtypes))
@@ -312,7 +313,7 @@ def annotate(
         table.add_row(r.op_type, r.op_class, str(r.count), flops(r.flops), f"{100 * r.flops_share:.1f}%", flops(r.backward_flops),
                       format_bytes(r.param_bytes), format_bytes(r.activation_bytes), *measured)
     console.print(table)
-    line = (f"total: {totals['nodes']} nodes, {flops(totals['flops'])} forward, {flops(totals['backward_flops'])} backward, "
+    line = (f"total: {plural(totals['nodes'], 'node')}, {flops(totals['flops'])} forward, {flops(totals['backward_flops'])} backward, "
             f"params {format_bytes(totals['params_bytes'])}, activations {format_bytes(totals['activation_bytes'])}")
     if costs.profiled:
         line += f", measured {format_seconds(totals['measured_seconds'])} forward + {format_seconds(totals['measured_backward_seconds'])} backward"
@@ -441,7 +442,7 @@ def split(
     print_batch(binding, plan.batch, plan.microbatches)  # once written: a failed split prints its one error line alone
     print_shared(graph.shared)
 
-    table = Table(title=f"{len(manifest.stages)} stage{'s' if len(manifest.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}")
+    table = Table(title=f"{plural(len(manifest.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}")
     for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
     for s in manifest.stages:
@@ -479,7 +480,7 @@ def verify(
     ensure_finite("--atol", atol, positive=False)
     errors = verify_stages(directory, model, dims=parse_dims(dim), samples=samples, seed=seed, atol=atol)
     limits = {o.name: tolerance(o.dtype, rtol) for o in Manifest.read(directory).outputs}
-    table = Table(title=f"chained stages vs {escape(model)} ({samples} random input set{'s' if samples != 1 else ''})")
+    table = Table(title=f"chained stages vs {escape(model)} ({plural(samples, 'random input set')})")
     for column in ("output", "max relative error", "accepted", ""):
         table.add_column(column, justify="right" if column else "left")
     for name, error in errors.items():
@@ -528,7 +529,7 @@ def _print_plan_quality(plan: Any) -> None:
     ms = 1e3
     info = plan.solver
     console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
-                  f"iteration {plan.iteration_seconds * ms:.3f} ms ({plan.batch} samples, {plan.microbatches} micro-batches, {plan.schedule})",
+                  f"iteration {plan.iteration_seconds * ms:.3f} ms ({plural(plan.batch, 'sample')}, {plural(plan.microbatches, 'micro-batch')}, {plan.schedule})",
                   highlight=False)
     if plan.mode == "inference":
         console.print(f"inference (forward only): {plan.batch / plan.iteration_seconds:.4g} samples/s, "
@@ -537,7 +538,7 @@ def _print_plan_quality(plan: Any) -> None:
                   highlight=False)
     nodes = sum(len(s.nodes) for s in plan.stages)
     over = ("node by node" if info.blocks >= nodes else
-            f"over {info.blocks} blocks (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
+            f"over {plural(info.blocks, 'block')} (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
     console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, "
                   f"{info.solve_seconds:.2f} s", highlight=False)
 
@@ -592,8 +593,8 @@ def plan_command(
     if mode == "training":  # an inference plan needs no gradient
         _warn_missing_gradients(graph)
     ms = 1e3
-    table = Table(title=f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
-                        f"{plan.microbatches} micro-batches, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
+    table = Table(title=f"{plural(len(plan.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
+                        f"{plural(plan.microbatches, 'micro-batch')}, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
     for column in ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
     for s in plan.stages:
@@ -606,8 +607,12 @@ def plan_command(
     if plan.explored:
         best = [c for c in plan.explored if c.feasible][:5]
         console.print("explored: " + "; ".join(f"{c.schedule} m={c.microbatches} k={c.stages} r={c.replicas}: {c.iteration_seconds * ms:.2f} ms"
-                                               for c in best) + f" ({len(plan.explored)} tried)", highlight=False)
-    if compare:
+                                               for c in best) + f" ({plural(len(plan.explored), 'candidate')} tried)", highlight=False)
+    if compare and len(plan.stages) == 1:  # every baseline cuts stages: at one there is no cut to compare
+        devices = plural(len(plan.stages[0].devices), "device")
+        console.print(f"--compare: the plan is one stage (on {devices}); the baselines are ways of cutting a model into stages, so at one "
+                      "stage there is nothing to compare; pass --stages K (K >= 2) to compare cuts", highlight=False)
+    elif compare:
         others = compare_baselines(graph, costs, tgt, plan, recompute)
         side = Table(title="baselines (same cost model)")
         for column in ("plan", "stages", "iteration ms", "bottleneck ms", "peak memory", "fits", "iteration vs ours"):
@@ -617,9 +622,10 @@ def plan_command(
             side.add_row(name, str(len(p.stages)), f"{p.iteration_seconds * ms:.3f}", f"{p.bottleneck_seconds * ms:.3f}", format_bytes(peak),
                          "yes" if fits(p) else "[red]no[/]", f"{p.iteration_seconds / plan.iteration_seconds:.2f}x")
         console.print(side)
+    if compare:
         faster = faster_stage_count(graph, costs, tgt, plan, recompute) if stages is not None else None
         if faster is not None:
-            count = f"{len(faster.stages)} stage{'s' if len(faster.stages) > 1 else ''}"
+            count = plural(len(faster.stages), "stage")
             console.print(f"note: {count} would be faster (iteration {faster.iteration_seconds * ms:.3f} ms vs {plan.iteration_seconds * ms:.3f} ms); "
                           "drop --stages to let the planner choose", highlight=False)
     if output:
@@ -691,14 +697,14 @@ def train(
                   shapes_by_running=shapes_by_running, backend=backend, address=address, device=device) as pipe:
         print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
-            raise OnnxpipeError(f"--batch {batch}: the stages take {microbatches} micro-batches of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
+            raise OnnxpipeError(f"--batch {batch}: the stages take {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
         if pipe.binding is not None:
             print_batch(pipe.binding, pipe.batch, microbatches)
         else:
-            console.print(f"batch {pipe.batch} per iteration = {microbatches} micro-batches of {pipe.batch // microbatches} (the stage files' batch)", highlight=False)
+            console.print(f"batch {pipe.batch} per iteration = {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches} (the stage files' batch)", highlight=False)
         source = data_source(pipe, data, seed)
-        workers = f" on {len(pipe.places)} workers" if len(pipe.places) != pipe.stages else ""
-        console.print(f"training {pipe.stages} stages{workers} ({schedule}, {microbatches} micro-batches, batch {pipe.batch}) on {escape(pipe.target)}", highlight=False)
+        workers = f" on {plural(len(pipe.places), 'worker')}" if len(pipe.places) != pipe.stages else ""
+        console.print(f"training {plural(pipe.stages, 'stage')}{workers} ({schedule}, {plural(microbatches, 'micro-batch')}, batch {pipe.batch}) on {escape(pipe.target)}", highlight=False)
         with Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             task = bar.add_task("train", total=steps, info="")
@@ -709,7 +715,7 @@ def train(
 
             fit(pipe, source, steps, checkpoint_dir=checkpoint_dir, every=checkpoint_every, resume=resume, on_step=on_step)
         metrics = pipe.metrics()
-        table = Table(title=f"{steps} steps: step {metrics['step_seconds'] * 1e3:.2f} ms, {metrics['samples_per_s']:.0f} samples/s, "
+        table = Table(title=f"{plural(steps, 'step')}: step {metrics['step_seconds'] * 1e3:.2f} ms, {metrics['samples_per_s']:.0f} samples/s, "
                             f"bubble {metrics['bubble_fraction']:.1%}")
         for column in ("stage", "busy ms", "transfer ms", "peak RSS", "peak activations"):
             table.add_column(column, justify="right")
@@ -832,7 +838,7 @@ def inspect_command(
             io.add_row(kind, name, info.dtype if info else "?", str(list(info.shape)) if info else "?")
     console.print(io)
     params = graph.parameters
-    console.print(f"weights: {len(params)} tensors, {format_bytes(sum(graph.tensors[p].nbytes for p in params))}")
+    console.print(f"weights: {plural(len(params), 'tensor')}, {format_bytes(sum(graph.tensors[p].nbytes for p in params))}")
     if graph.shared:
         shared = Table("weight", "kind", "decision", "readers (node: module)", title="weights read by several nodes")
         for s in graph.shared:

@@ -27,6 +27,7 @@ from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures
 from onnxpipe.ortutil import cpu_session
 from onnxpipe.protostream import read_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
+from onnxpipe.units import plural
 
 __all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
 
@@ -349,7 +350,7 @@ def _tensor_infos(model: onnx.ModelProto, origin: str, run_for_shapes: bool) -> 
     elif missing:
         first = next(n for n in model.graph.node if missing[0] in n.output)
         raise OnnxpipeError(
-            f"{origin}: static shape inference cannot tell the shapes of {len(missing)} tensors (first: '{missing[0]}' of "
+            f"{origin}: static shape inference cannot tell the shapes of {plural(len(missing), 'tensor')} (first: '{missing[0]}' of "
             f"{first.op_type} node '{first.name}'); bind every symbolic dim with --dim, or pass --shapes-by-running to learn "
             "them by running the whole model once on zeros in onnxruntime (needs the model's full memory)"
         )
@@ -401,7 +402,7 @@ def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) 
         values = session.run(missing, feeds)
     except Exception as exc:
         raise OnnxpipeError(
-            f"{origin}: shapes of {len(missing)} tensors (first: '{missing[0]}') are unknown and the model could not be run to find them; "
+            f"{origin}: shapes of {plural(len(missing), 'tensor')} (first: '{missing[0]}') are unknown and the model could not be run to find them; "
             "bind every symbolic dim with --dim or re-export with static shapes"
         ) from exc
     return {name: TensorInfo(name, np.asarray(v).dtype.name, tuple(np.asarray(v).shape)) for name, v in zip(missing, values)}

@@ -21,7 +21,7 @@ from onnxpipe.fileio import write_bytes
 from onnxpipe.graph import Graph
 from onnxpipe.plan.result import Plan
 from onnxpipe.simulate import Event, Simulation
-from onnxpipe.units import format_bytes, format_seconds
+from onnxpipe.units import format_bytes, format_seconds, plural
 
 __all__ = ["write", "model_costs", "gantt_figure", "memory_figure", "model_figure", "COLORS"]
 
@@ -122,7 +122,7 @@ def gantt_figure(simulation: Simulation, plan: Plan, measured: Sequence[Event] |
         ax.set_yticklabels([_lane_label(plan, s, j) for s, j in reversed(lanes)], fontsize=8)
         ax.set_ylim(-0.6, k - 0.4)
         ax.set_xlim(0, span * scale * 1.01)
-        ax.set_title(f"{title}: {plan.schedule if title == 'simulated' else simulation.schedule}, {simulation.microbatches} micro-batches", fontsize=10, loc="left")
+        ax.set_title(f"{title}: {plan.schedule if title == 'simulated' else simulation.schedule}, {plural(simulation.microbatches, 'micro-batch')}", fontsize=10, loc="left")
         ax.grid(axis="x", color="#cccccc", linewidth=0.5)
         ax.set_axisbelow(True)
     axes[-1, 0].set_xlabel(f"time ({unit})")
@@ -212,7 +212,7 @@ def model_figure(graph: Graph, costs: Costs, plan: Plan) -> Any:
     ax.set_yticks([])
     ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1e9:g}")
     ax.set_xlabel("nodes in topological order; width = forward + backward GFLOP (per batch)")
-    ax.set_title(f"{Path(graph.source).name}: {len(nodes)} nodes in {len(plan.stages)} stages", fontsize=10, loc="left")
+    ax.set_title(f"{Path(graph.source).name}: {plural(len(nodes), 'node')} in {plural(len(plan.stages), 'stage')}", fontsize=10, loc="left")
     handles = [Patch(color=cmap(s.index % 10)) for s in plan.stages]
     shares = [sum(f for n, f in zip(nodes, flops) if stage_of.get(n) == s.index) / total for s in plan.stages]
     ax.legend(handles, [f"stage {s.index} ({p:.0%})" for s, p in zip(plan.stages, shares)], loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=min(8, len(plan.stages)), fontsize=8, frameon=False)
@@ -244,7 +244,7 @@ def _html(plan: Plan, sim: Simulation, pngs: dict[str, bytes], measured: Sequenc
         if name in pngs
     )
     summary = (
-        f"{len(plan.stages)} stages, {plan.schedule}, {sim.microbatches} micro-batches of a batch of {plan.batch}; "
+        f"{plural(len(plan.stages), 'stage')}, {plan.schedule}, {plural(sim.microbatches, 'micro-batch')} of a batch of {plan.batch}; "
         f"iteration {format_seconds(sim.iteration_seconds)}, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%}; "
         f"planner bound {format_seconds(plan.lower_bound_seconds)} per micro-batch at the bottleneck, solver {plan.solver.status}"
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.units import plural
 
 __all__ = [
     "Action",
@@ -100,7 +101,7 @@ def build(schedule: str, stages: int, microbatches: int) -> Table:
     if schedule not in SCHEDULES:
         raise OnnxpipeError(f"unknown schedule '{schedule}'; choose one of: {', '.join(SCHEDULES)}")
     if stages < 1 or microbatches < 1:
-        raise OnnxpipeError(f"a schedule needs at least 1 stage and 1 micro-batch (got {stages} stages, {microbatches} micro-batches)")
+        raise OnnxpipeError(f"a schedule needs at least 1 stage and 1 micro-batch (got {plural(stages, 'stage')}, {plural(microbatches, 'micro-batch')})")
     table = SCHEDULES[schedule](stages, microbatches)
     ensure_valid(table)
     return table
@@ -354,7 +355,7 @@ def table(schedule: str, stages: int, microbatches: int) -> Table:
     v = virtual(schedule)
     if stages < v or stages % v or microbatches < 1:
         raise OnnxpipeError(
-            f"schedule {schedule} needs a multiple of {v} stages and at least 1 micro-batch (got {stages} stages, {microbatches} micro-batches)"
+            f"schedule {schedule} needs a multiple of {v} stages and at least 1 micro-batch (got {plural(stages, 'stage')}, {plural(microbatches, 'micro-batch')})"
         )
     result = TABLES[schedule][0](stages, microbatches)
     ensure_valid(result)

@@ -32,6 +32,7 @@ from onnxpipe.fileio import atomic_path, swap_in
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
 from onnxpipe.protostream import inline_external_data, is_external, is_streamable, raw_nbytes, skeleton, write_model
+from onnxpipe.units import plural
 
 if TYPE_CHECKING:  # the planner package pulls in the solver; splitting a given plan does not need it
     from onnxpipe.cost import Costs
@@ -98,7 +99,7 @@ def _ensure_plan_fits(graph: Graph, plan: Plan) -> dict[str, int]:
         raise OnnxpipeError(f"the plan was made for another model (fingerprint {plan.fingerprint}, this model's is {graph.fingerprint}); re-plan this model")
     if graph.inputs and plan.batch != graph.batch * plan.microbatches:
         raise OnnxpipeError(
-            f"the plan is for batch {plan.batch} in {plan.microbatches} micro-batches of {plan.batch / plan.microbatches:g}, but the stage files "
+            f"the plan is for batch {plan.batch} in {plural(plan.microbatches, 'micro-batch')} of {plan.batch / plan.microbatches:g}, but the stage files "
             f"would hold the model's batch {graph.batch}: pass --batch {graph.batch * plan.microbatches}, or give a symbolic batch dim its "
             "value through --batch and --microbatches")
     compute = set(graph.compute_nodes)
@@ -114,7 +115,7 @@ def _ensure_plan_fits(graph: Graph, plan: Plan) -> dict[str, int]:
             assignment[name] = stage.index
     left_out = [n for n in graph.compute_nodes if n not in assignment]
     if left_out:
-        raise OnnxpipeError(f"plan leaves {len(left_out)} nodes out (first: '{left_out[0]}'); re-plan this model")
+        raise OnnxpipeError(f"plan leaves {plural(len(left_out), 'node')} out (first: '{left_out[0]}'); re-plan this model")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
         raise OnnxpipeError("plan stages are not numbered 0..k-1 in order; regenerate the plan")
     for name in graph.compute_nodes:

@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Mapping
 
-__all__ = ["UNITS", "UnitError", "parse_quantity", "format_bytes", "format_rate", "format_flops", "format_seconds"]
+__all__ = ["UNITS", "UnitError", "parse_quantity", "format_bytes", "format_rate", "format_flops", "format_seconds", "plural"]
 
 #: Unit name -> factor to the base unit (B, B/s, FLOP/s, s), per kind of quantity.
 UNITS: Mapping[str, Mapping[str, float]] = {
@@ -47,11 +47,14 @@ def parse_quantity(value: object, kind: str) -> float:
 
 
 def _scaled(value: float, steps: tuple[tuple[float, str], ...]) -> str:
-    for factor, unit in steps:
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {unit}"
-    factor, unit = steps[-1]
-    return f"{value / factor:.3g} {unit}"
+    """`value` in the smallest of `steps` (largest first) whose three significant digits stay below 1000:
+    the choice is made on the rounded figure, so 999.6 KiB reads "0.976 MiB" and 1023.9 KiB "1 MiB", never "1e+03 KiB"."""
+    ordered = steps[::-1]
+    for i, (factor, unit) in enumerate(ordered):
+        shown = float(f"{value / factor:.3g}")
+        if abs(shown) < 1000 or i == len(ordered) - 1:
+            return f"{value / factor:.3g} {unit}" if abs(shown) < 1000 else f"{value / factor:.0f} {unit}"
+    raise AssertionError("unreachable: the last unit always returns")
 
 
 def format_bytes(n: float) -> str:
@@ -73,3 +76,8 @@ def format_flops(rate: float, dtype: str = "float32") -> str:
 def format_seconds(seconds: float) -> str:
     """Duration, e.g. "5 us"."""
     return _scaled(seconds, ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")))
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """"1 stage", "2 stages", "1 micro-batch", "4 micro-batches": a count with its noun in the right number."""
+    return f"{count} {noun if count == 1 else many or (noun + 'es' if noun.endswith(('ch', 'sh', 's', 'x')) else noun + 's')}"

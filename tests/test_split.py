@@ -220,7 +220,7 @@ def test_plans_that_do_not_fit_the_model_are_refused(tmp_path: Path) -> None:
     other = load(models.build("mlp"))
     with pytest.raises(OnnxpipeError, match="made for another model.*re-plan"):
         split(graph, even_plan(other, 2), tmp_path / "a")
-    with pytest.raises(OnnxpipeError, match=r"leaves 1 nodes out \(first: 'n5'\)"):
+    with pytest.raises(OnnxpipeError, match=r"leaves 1 node out \(first: 'n5'\)"):
         split(graph, make_plan(graph, [["n0", "n1"], ["n2", "n3", "n4"]]), tmp_path / "b")
     with pytest.raises(OnnxpipeError, match="places node 'n1' in stages 0 and 1"):
         split(graph, make_plan(graph, [["n0", "n1"], ["n1", "n2", "n3", "n4", "n5"]]), tmp_path / "c")

@@ -15,6 +15,7 @@ from onnxpipe.plan.evaluate import evaluate, fits, overflow
 from onnxpipe.plan.layout import to_assignment
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Candidate, Plan
+from onnxpipe.units import plural
 
 __all__ = ["explore", "microbatch_choices", "by_stage_count", "candidate"]
 
@@ -42,7 +43,7 @@ def explore(
             variant = problem.with_options(microbatches=m, schedule=schedule)
             bounds = Bounds(variant)
             for k in stage_counts:
-                report(f"exploring {schedule}, {m} micro-batches, {k} stages")
+                report(f"exploring {schedule}, {plural(m, 'micro-batch')}, {plural(k, 'stage')}")
                 quick, fitting = _priced(variant, k, recompute, replicas, bounds)
                 if fitting:
                     tried.append((candidate(min(fitting, key=lambda p: p.iteration_seconds)), variant, k, fitting))

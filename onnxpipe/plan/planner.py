@@ -22,6 +22,7 @@ from onnxpipe.plan.solve import solve
 from onnxpipe.plan.virtual import plan_virtual
 from onnxpipe.schedule import SCHEDULES, TABLES, ensure_known, virtual
 from onnxpipe.target import Target, load_target
+from onnxpipe.units import plural
 
 __all__ = ["plan", "plan_model", "compare", "faster_stage_count"]
 
@@ -114,7 +115,7 @@ def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, 
     for name, (_, v) in TABLES.items():
         if v > 1 and (name != "interleaved" or best.microbatches % k == 0):
             if progress:
-                progress(f"exploring {name}, {best.microbatches} micro-batches, {v * k} stages on {k} devices")
+                progress(f"exploring {name}, {plural(best.microbatches, 'micro-batch')}, {plural(v * k, 'stage')} on {plural(k, 'device')}")
             try:
                 found.append(plan_virtual(graph, costs, target, schedule=name, stages=v * k, batch=best.batch, microbatches=best.microbatches,
                                           optimizer=best.optimizer, recompute=recompute, time_limit=time_limit, progress=progress))

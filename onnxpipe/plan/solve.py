@@ -31,7 +31,7 @@ from onnxpipe.plan.evaluate import evaluate, fits
 from onnxpipe.plan.layout import Layout, to_assignment
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
-from onnxpipe.units import format_bytes
+from onnxpipe.units import format_bytes, plural
 
 __all__ = ["solve", "default_blocks", "infeasible_message"]
 
@@ -80,7 +80,7 @@ def solve(
     bound = bounds(stages, replicas)
     _ensure_some_fit(problem, bound, stages)
     blocks = coarsen(problem, max_blocks or default_blocks(stages, problem.n))
-    report(f"dynamic program over {blocks.count} blocks")
+    report(f"dynamic program over {plural(blocks.count, 'block')}")
     hint = solve_dp(problem, blocks, stages, recompute, replicas, table=intervals(blocks))
     found: list[Plan] = []
     if hint is not None:
@@ -89,7 +89,7 @@ def solve(
     remaining = time_limit - (time.perf_counter() - started)
     if coarsened:
         remaining *= 1 - _REFINE_SHARE
-    report(f"CP-SAT over {blocks.count} blocks, up to {remaining:.0f} s")
+    report(f"CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s")
     result = solve_cpsat(
         problem,
         blocks,
@@ -153,7 +153,7 @@ def _refine(
     while True:
         node_stage = _stage_of_nodes(problem, best)
         finer = refine(problem, blocks, node_stage)
-        report(f"refining: dynamic program over {finer.count} blocks around the stage cuts")
+        report(f"refining: dynamic program over {plural(finer.count, 'block')} around the stage cuts")
         layout = solve_dp(problem, finer, stages, recompute, replicas)
         if layout is None:
             break
@@ -165,7 +165,7 @@ def _refine(
             return found
     remaining = min(deadline - time.perf_counter(), cp_seconds)
     if remaining > 0:
-        report(f"refining: CP-SAT over {finer.count} blocks, up to {remaining:.0f} s")
+        report(f"refining: CP-SAT over {plural(finer.count, 'block')}, up to {remaining:.0f} s")
         result = solve_cpsat(problem, finer, stages, recompute=recompute, replicas=replicas, hint=_layout_of(problem, best, finer, replicas),
                              floor_seconds=bounds(stages, replicas).seconds, ceiling_seconds=best.bottleneck_seconds, time_limit=remaining)
         if result.layout is not None:

@@ -19,6 +19,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.target import Target
+from onnxpipe.units import plural
 
 __all__ = ["OPTIMIZER_STATES", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
 
@@ -178,7 +179,7 @@ def build_problem(
     nodes = graph.compute_nodes
     missing = [n for n in nodes if n not in costs.nodes]
     if missing:
-        raise OnnxpipeError(f"costs miss {len(missing)} compute nodes (first: '{missing[0]}'); annotate this model again with `onnxpipe annotate`")
+        raise OnnxpipeError(f"costs miss {plural(len(missing), 'compute node')} (first: '{missing[0]}'); annotate this model again with `onnxpipe annotate`")
     dtype = dtype or dominant_dtype(graph)
     scale = batch / microbatches / graph.batch
     groups: list[str] = []

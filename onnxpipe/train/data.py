@@ -14,6 +14,7 @@ import numpy as np
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.feeds import IndexRange, ensure_feed, read_npz
 from onnxpipe.manifest import StageInput
+from onnxpipe.units import plural
 
 __all__ = ["split_microbatches", "BatchSource", "SyntheticData", "FileData", "open_data"]
 
@@ -31,7 +32,7 @@ def split_microbatches(batch: Mapping[str, np.ndarray], inputs: Sequence[StageIn
         if tuple(array.shape) != want:
             raise OnnxpipeError(
                 f"input {spec.name!r} has shape {tuple(array.shape)}, expected {want} "
-                f"({microbatches} micro-batches of {spec.shape[0] if spec.shape else 1}); pass --batch {microbatches * (spec.shape[0] if spec.shape else 1)} or re-split the model for another batch"
+                f"({plural(microbatches, 'micro-batch')} of {spec.shape[0] if spec.shape else 1}); pass --batch {microbatches * (spec.shape[0] if spec.shape else 1)} or re-split the model for another batch"
             )
         array = ensure_feed(spec, array, {})
         for i, piece in enumerate(np.split(array, microbatches, axis=0)):

@@ -43,6 +43,7 @@ from onnxpipe.train.prepare import TrainConfig, model_inputs, prepare_single, pr
 from onnxpipe.train.processes import ProcessPipeline
 from onnxpipe.train.providers import ensure_usable, execution_devices
 from onnxpipe.train.stage import StageSpec
+from onnxpipe.units import plural
 
 __all__ = ["Pipeline", "DEFAULT_TARGET", "BACKENDS"]
 
@@ -253,7 +254,7 @@ class Pipeline:
             raise OnnxpipeError(f"{directory}: the checkpoint was trained with {trained_with}, this run uses {self.config.optimizer.name}; "
                                 f"resume with --optimizer {trained_with} or start without --resume")
         if len(states) != self.stages:
-            raise OnnxpipeError(f"{directory}: checkpoint has {len(states)} stages, this pipeline {self.stages}; resume with the same stage directory")
+            raise OnnxpipeError(f"{directory}: checkpoint has {plural(len(states), 'stage')}, this pipeline {self.stages}; resume with the same stage directory")
         self._engine().load_state(states)
         self.step = step
         self.losses = list(meta.get("losses", []))[:step]
