@@ -117,6 +117,8 @@ def parse_ties(tie: list[str] | None, untie: list[str] | None) -> Any:
 
 
 _TIE_HELP = "Train this weight read by several nodes as one tensor (default for ties and reuse in one module), repeatable."
+_MAX_LATENCY_HELP = ("Inference: take only plans whose latency (one micro-batch through the whole pipeline: forwards and transfers) "
+                     "is at most this many seconds, e.g. 0.005.")
 _UNTIE_HELP = "Give each module reading this weight its own copy (default for constant-valued exporter merges), repeatable."
 
 
@@ -128,6 +130,15 @@ def _warn_missing_gradients(graph: Any) -> None:
     if missing:
         err_console.print(f"[yellow]warning:[/] onnxruntime-training 1.19.2 has no gradient for {escape(describe_missing(missing))}; "
                           "`onnxpipe train` will refuse this model", highlight=False)
+
+
+def ensure_latency(plan: Any, max_latency: float) -> None:
+    """A plan given by hand (`--plan`, `--cuts`) keeps `--max-latency`."""
+    if plan.mode != "inference":
+        raise OnnxpipeError("--max-latency bounds an inference pipeline's latency; add --mode inference")
+    if plan.latency_seconds > max_latency * (1 + 1e-9):
+        raise OnnxpipeError(f"the plan's latency {plan.latency_seconds * 1e3:.4g} ms is over --max-latency {max_latency * 1e3:.4g} ms; "
+                            "raise --max-latency, or plan without --plan/--cuts so the planner keeps the bound")
 
 
 def print_batch(binding: Any, batch: int, microbatches: int) -> None:
@@ -390,6 +401,7 @@ def split(
     optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
     mode: str = typer.Option(None, "--mode", help="training, or inference: plan a forward-only pipeline."),
+    max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
     time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
     shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
@@ -413,6 +425,7 @@ def split(
 
     ensure_counts(stages=(stages, 1), batch=(batch, 1), microbatches=(microbatches, 1))
     ensure_finite("--time-limit", time_limit)
+    ensure_finite("--max-latency", max_latency)
     options = {key: value for key, value in {"batch": batch, "microbatches": microbatches, "schedule": schedule, "optimizer": optimizer,
                                               "recompute": recompute, "mode": mode}.items() if value is not None}
     if not plan_file and not target:
@@ -434,9 +447,11 @@ def split(
         from onnxpipe.plan import plan_model
 
         binding = bind_batch(model, parse_dims(dim), batch, microbatches)
-        extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit}.items() if value is not None}
+        extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit, "max_latency": max_latency}.items() if value is not None}
         graph, _, _, plan = plan_model(model, target, dims=binding.dims, ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
                                        **options, **extra)
+    if max_latency is not None and (plan_file or cuts):
+        ensure_latency(plan, max_latency)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
     print_batch(binding, plan.batch, plan.microbatches)  # once written: a failed split prints its one error line alone
@@ -556,6 +571,7 @@ def plan_command(
     optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
     mode: str = typer.Option("training", "--mode", help="training, or inference: a forward-only pipeline (throughput objective, latency reported)."),
+    max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
     time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the solver may search."),
     compare: bool = typer.Option(False, "--compare", help="Also print every baseline side by side."),
     profile: bool = typer.Option(None, "--profile/--no-profile", help="Measure node times with onnxruntime (default: as the target says)."),
@@ -581,12 +597,13 @@ def plan_command(
         raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
     ensure_counts(stages=(stages, 1), batch=(batch, 1))
     ensure_finite("--time-limit", time_limit)
+    ensure_finite("--max-latency", max_latency)
     binding = bind_batch(model, parse_dims(dim), batch, mb if isinstance(mb, int) else None)
     with console.status("planning ...") as status:
         graph, costs, tgt, plan = plan_model(
             model, target, dims=binding.dims, profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
-            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running, mode=mode,
+            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running, mode=mode, max_latency=max_latency,
         )
     print_batch(binding, plan.batch, plan.microbatches)
     print_shared(graph.shared)
@@ -623,7 +640,8 @@ def plan_command(
                          "yes" if fits(p) else "[red]no[/]", f"{p.iteration_seconds / plan.iteration_seconds:.2f}x")
         console.print(side)
     if compare:
-        faster = faster_stage_count(graph, costs, tgt, plan, recompute) if stages is not None else None
+        bound = math.inf if max_latency is None else max_latency
+        faster = faster_stage_count(graph, costs, tgt, plan, recompute, max_latency=bound) if stages is not None else None
         if faster is not None:
             count = plural(len(faster.stages), "stage")
             console.print(f"note: {count} would be faster (iteration {faster.iteration_seconds * ms:.3f} ms vs {plan.iteration_seconds * ms:.3f} ms); "

@@ -59,6 +59,7 @@ Definitions shared with the executor's measurements:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,7 @@ from onnxpipe.pricing.stage import StageCost
 from onnxpipe.pricing.timemodel import message_cpu
 from onnxpipe.target import HostModel, Target
 
-__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate"]
+__all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "pipeline_latency"]
 
 #: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
 EVENT_KINDS = ("F", "B", "W", "SEND", "RECV", "ALLREDUCE", "STEP")
@@ -120,8 +121,9 @@ class Simulation:
     #: Per stage, per replica: busy seconds and peak bytes.
     replica_busy_seconds: tuple[tuple[float, ...], ...] = ()
     replica_peak_memory_bytes: tuple[tuple[float, ...], ...] = ()
-    #: The longest any micro-batch takes from the start of its first stage's forward to the end of its last
-    #: stage's forward: an inference pipeline's latency.
+    #: An inference pipeline's latency: the span of micro-batch 0 from the start of the first stage's forward
+    #: to the end of the last stage's, which enters an empty pipeline, so it is the sum along the pipeline of
+    #: forward and transfer times (later micro-batches may also queue behind the bottleneck).
     latency_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -188,15 +190,15 @@ def simulate(table: sched.Table, stages: tuple[StageCost, ...], target: Target, 
         memory=tuple(memory[w] for w in fullest),
         replica_busy_seconds=tuple(tuple(b) for b in busy_s),
         replica_peak_memory_bytes=tuple(tuple(peak_w[w] for w in ws) for ws in mine),
-        latency_seconds=_latency(events, len(stages)),
+        latency_seconds=pipeline_latency(events, len(stages)),
     )
 
 
-def _latency(events: tuple[Event, ...], stages: int) -> float:
-    """The longest span from a micro-batch's first forward start (stage 0) to its last forward end."""
-    start = {e.microbatch: e.start for e in events if e.kind == "F" and e.stage == 0}
-    end = {e.microbatch: e.end for e in events if e.kind == "F" and e.stage == stages - 1}
-    return max((end[i] - start[i] for i in start if i in end), default=0.0)
+def pipeline_latency(events: Sequence[Event], stages: int) -> float:
+    """Micro-batch 0's span from its first forward start (stage 0) to its last forward end."""
+    start = [e.start for e in events if e.kind == "F" and e.stage == 0 and e.microbatch == 0]
+    end = [e.end for e in events if e.kind == "F" and e.stage == stages - 1 and e.microbatch == 0]
+    return max(end) - min(start) if start and end else 0.0
 
 
 class _Links:

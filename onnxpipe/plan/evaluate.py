@@ -19,7 +19,7 @@ from onnxpipe.schedule import stage_rows
 from onnxpipe.simulate import simulate
 from onnxpipe.units import format_bytes
 
-__all__ = ["Assignment", "evaluate", "fits", "overflow"]
+__all__ = ["Assignment", "evaluate", "fits", "within", "overflow"]
 
 
 def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None = None, replicas: bool = True, bounds: Bounds | None = None) -> Plan:
@@ -56,6 +56,11 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
 def fits(plan: Plan) -> bool:
     """Every device holds what its stages need."""
     return not overflow(plan)
+
+
+def within(problem: Problem, plan: Plan) -> bool:
+    """The plan fits and its latency is within the problem's bound (`Problem.max_latency`)."""
+    return fits(plan) and plan.latency_seconds <= problem.max_latency * (1 + 1e-9)
 
 
 def overflow(plan: Plan) -> str:

@@ -5,13 +5,14 @@ global batch, so no baseline in any configuration explored is predicted faster t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from onnxpipe.plan.baselines import baselines, with_recompute
 from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.dp import solve_dp
-from onnxpipe.plan.evaluate import evaluate, fits, overflow
+from onnxpipe.plan.evaluate import evaluate, fits, overflow, within
 from onnxpipe.plan.layout import to_assignment
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Candidate, Plan
@@ -45,10 +46,12 @@ def explore(
             for k in stage_counts:
                 report(f"exploring {schedule}, {plural(m, 'micro-batch')}, {plural(k, 'stage')}")
                 quick, fitting = _priced(variant, k, recompute, replicas, bounds)
-                if fitting:
-                    tried.append((candidate(min(fitting, key=lambda p: p.iteration_seconds)), variant, k, fitting))
-                elif quick is not None:
-                    tried.append((candidate(quick), variant, k, []))
+                taken = [p for p in fitting if within(variant, p)]
+                if taken:
+                    tried.append((candidate(min(taken, key=lambda p: p.iteration_seconds), variant.max_latency), variant, k, taken))
+                elif fitting or quick is not None:
+                    closest = min(fitting, key=lambda p: p.latency_seconds) if fitting else quick
+                    tried.append((candidate(closest, variant.max_latency), variant, k, []))
                 else:
                     tried.append((Candidate(schedule, m, k, 1, float("inf"), 0.0, False, "infeasible: too few blocks for the stages"), variant, k, []))
     tried.sort(key=lambda item: (not item[0].feasible, item[0].iteration_seconds))
@@ -61,7 +64,8 @@ def explore(
 def by_stage_count(
     problem: Problem, stage_counts: Sequence[int], recompute: str = "auto", replicas: bool = True, bounds: Bounds | None = None
 ) -> dict[int, list[Plan]]:
-    """Fitting plans per stage count: the DP's and every baseline's (data parallelism counts as one stage)."""
+    """Plans that fit in memory per stage count: the DP's and every baseline's (data parallelism counts as
+    one stage); `within` tells which also keep the latency bound."""
     bounds = bounds or Bounds(problem)
     return {k: _priced(problem, k, recompute, replicas, bounds)[1] for k in stage_counts}
 
@@ -73,12 +77,13 @@ def _priced(problem: Problem, stages: int, recompute: str, replicas: bool, bound
     return quick, [p for p in ([quick] if quick else []) + list(others.values()) if fits(p) and len(p.stages) == stages]
 
 
-def candidate(plan: Plan) -> Candidate:
-    """How a priced plan shows among the configurations tried."""
-    ok = fits(plan)
+def candidate(plan: Plan, max_latency: float = math.inf) -> Candidate:
+    """How a priced plan shows among the configurations tried (over `max_latency`: not feasible)."""
+    slow = plan.latency_seconds > max_latency * (1 + 1e-9)
+    note = f"infeasible: {overflow(plan)}" if not fits(plan) else f"latency {plan.latency_seconds * 1e3:.4g} ms > --max-latency" if slow else ""
     return Candidate(
         plan.schedule, plan.microbatches, len(plan.stages), max(len(s.devices) for s in plan.stages), plan.iteration_seconds,
-        max(s.memory.total for s in plan.stages), ok, "" if ok else f"infeasible: {overflow(plan)}",
+        max(s.memory.total for s in plan.stages), not note, note, plan.latency_seconds,
     )
 
 

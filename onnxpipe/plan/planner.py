@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Callable, Mapping
 
@@ -14,11 +15,11 @@ from onnxpipe.graph import Graph, load
 from onnxpipe.initializers import TieChoice
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds
-from onnxpipe.plan.evaluate import fits
+from onnxpipe.plan.evaluate import fits, within
 from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices
 from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.plan.result import Plan
-from onnxpipe.plan.solve import solve
+from onnxpipe.plan.solve import latency_message, solve
 from onnxpipe.plan.virtual import plan_virtual
 from onnxpipe.schedule import SCHEDULES, TABLES, ensure_known, virtual
 from onnxpipe.target import Target, load_target
@@ -44,6 +45,7 @@ def plan(
     time_limit: float = 30.0,
     progress: Callable[[str], None] | None = None,
     mode: str = "training",
+    max_latency: float | None = None,
 ) -> Plan:
     """Partition and place the graph on the target: the least predicted iteration time among the solver's
     plans (least bottleneck stage time per micro-batch) and every baseline of as many stages.
@@ -55,11 +57,14 @@ def plan(
     configuration, and keep the plan of least predicted iteration time: no baseline of any configuration
     explored is predicted faster. `mode="inference"` plans a forward-only pipeline: no gradients, optimizer
     state, stash or recompute; the bottleneck (forward and transfers) is the throughput objective and the
-    plan reports its latency. A schedule that gives each device several stages (interleaved, zb-v) is
+    plan reports its latency; `max_latency` (seconds) takes only plans whose latency is within it, else
+    fails naming the least latency found. A schedule that gives each device several stages (interleaved, zb-v) is
     planned by `plan.virtual` (`stages` counts them all, default v per device); auto prices those too, at
     the winner's devices and micro-batches."""
     devices = len(target.devices)
     _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
+    if max_latency is not None and mode != "inference":
+        raise OnnxpipeError("--max-latency bounds an inference pipeline's latency; add --mode inference")
     if schedule != "auto" and virtual(schedule) > 1:
         if mode != "training":
             raise OnnxpipeError(f"--schedule {schedule} orders a training step; plan --mode {mode} with the default schedule")
@@ -73,7 +78,7 @@ def plan(
     m = microbatches if isinstance(microbatches, int) else 2 * k
     batch = batch or graph.batch * m
     base = build_problem(graph, costs, target, batch=batch, microbatches=m if batch % m == 0 else 1, schedule="1f1b" if schedule == "auto" else schedule,
-                         optimizer=optimizer, mode=mode)
+                         optimizer=optimizer, mode=mode, max_latency=math.inf if max_latency is None else max_latency)
     if mode == "inference":
         recompute = "never"  # nothing is stashed for a backward
     if not exploring:
@@ -93,6 +98,9 @@ def plan(
         progress=progress,
     )
     if winner is None or winner_stages is None:
+        slow = [c.latency_seconds for c in candidates if c.note.startswith("latency")]
+        if slow:
+            raise OnnxpipeError(latency_message(base, slow, stages))
         first = candidates[0].note if candidates else "nothing to try"
         raise OnnxpipeError(f"no explored configuration fits ({first}); try --recompute always, a target with more memory, or a larger batch")
     best = solve(winner, winner_stages, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, also=priced, by_iteration=True)
@@ -149,19 +157,20 @@ def compare(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: s
     return baselines(_problem_of(graph, costs, target, plan), len(plan.stages), recompute, replicas)
 
 
-def faster_stage_count(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True) -> Plan | None:
+def faster_stage_count(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True,
+                       max_latency: float = math.inf) -> Plan | None:
     """The fastest plan at another stage count (the DP's or a baseline's, under the plan's batch,
-    micro-batches and schedule) when it beats the plan's predicted iteration time; None otherwise."""
-    problem = _problem_of(graph, costs, target, plan)
+    micro-batches and schedule, within `max_latency`) when it beats the plan's predicted iteration time; None otherwise."""
+    problem = _problem_of(graph, costs, target, plan, max_latency)
     counts = [k for k in range(1, min(len(target.devices), problem.n) + 1) if k != len(plan.stages)]
     found = [p for plans in by_stage_count(problem, counts, recompute, replicas).values() for p in plans]
-    best = min(found, key=lambda p: p.iteration_seconds, default=None)
+    best = min((p for p in found if within(problem, p)), key=lambda p: p.iteration_seconds, default=None)
     return best if best is not None and best.iteration_seconds < plan.iteration_seconds * (1 - 1e-9) else None
 
 
-def _problem_of(graph: Graph, costs: Costs, target: Target, plan: Plan) -> Problem:
+def _problem_of(graph: Graph, costs: Costs, target: Target, plan: Plan, max_latency: float = math.inf) -> Problem:
     return build_problem(graph, costs, target, batch=plan.batch, microbatches=plan.microbatches, schedule=plan.schedule, optimizer=plan.optimizer,
-                         mode=plan.mode)
+                         mode=plan.mode, max_latency=max_latency)
 
 
 def _fastest_stage_count(
@@ -173,10 +182,14 @@ def _fastest_stage_count(
         progress("pricing every stage count")
     bounds = Bounds(problem)
     solve_at = functools.partial(solve, problem, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, bounds=bounds)
-    found = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas, bounds)
+    fitting = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas, bounds)
+    found = {k: [p for p in plans if within(problem, p)] for k, plans in fitting.items()}
     priced = [p for plans in found.values() for p in plans]
-    if not priced:  # nothing fits as an interval: CP-SAT may still find a plan, else it names the fix
-        return solve_at(min(devices, problem.n))
+    if not priced:
+        slow = [p.latency_seconds for plans in fitting.values() for p in plans]
+        if slow:
+            raise OnnxpipeError(latency_message(problem, slow))
+        return solve_at(min(devices, problem.n))  # nothing fits as an interval: CP-SAT may still find a plan, else it names the fix
     k = len(min(priced, key=lambda p: p.iteration_seconds).stages)
     best = solve_at(k, also=found[k], by_iteration=True)
     tried = sorted((candidate(min(plans, key=lambda p: p.iteration_seconds)) for plans in found.values() if plans), key=lambda c: c.iteration_seconds)

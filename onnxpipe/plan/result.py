@@ -98,6 +98,8 @@ class Candidate:
     peak_memory_bytes: float
     feasible: bool
     note: str = ""
+    #: Predicted latency of its plan (inference; 0 in training).
+    latency_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

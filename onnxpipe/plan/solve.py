@@ -27,13 +27,13 @@ from onnxpipe.plan.bounds import Bounds, LowerBound
 from onnxpipe.plan.coarsen import Blocks, coarsen, refine
 from onnxpipe.plan.cpsat import solve_cpsat
 from onnxpipe.plan.dp import intervals, solve_dp
-from onnxpipe.plan.evaluate import evaluate, fits
+from onnxpipe.plan.evaluate import evaluate, fits, within
 from onnxpipe.plan.layout import Layout, to_assignment
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.units import format_bytes, plural
 
-__all__ = ["solve", "default_blocks", "infeasible_message"]
+__all__ = ["solve", "default_blocks", "infeasible_message", "latency_message"]
 
 #: Share of the time limit the coarse CP-SAT leaves to refinement, and the most refinement's CP-SAT takes.
 _REFINE_SHARE = 0.3
@@ -108,12 +108,13 @@ def solve(
     # The baselines exactly as `compare` reports them, so the plan is never worse than any of them.
     found.extend(p for name, p in baselines(problem, stages, recompute, replicas, bounds=bounds).items() if name != "data-parallel")
     found.extend(also)
-    start = _choose(found)
+    start = _choose(problem, found)
     if coarsened and start is not None:
         found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, started + time_limit, _REFINE_CP_SHARE * time_limit, report))
-    best = _choose(found, by_iteration)
+    best = _choose(problem, found, by_iteration)
     if best is None:
-        raise OnnxpipeError(infeasible_message(problem, bound, stages))
+        fitting = [p.latency_seconds for p in found if fits(p)]
+        raise OnnxpipeError(latency_message(problem, fitting, stages) if fitting else infeasible_message(problem, bound, stages))
     objective = best.bottleneck_seconds
     # Over the coarse blocks: CP-SAT's bound (its model is the pricing rule `evaluate` applies, each term rounded up
     # to whole nanoseconds: `tolerance`); refined plans only improve on it.
@@ -158,7 +159,7 @@ def _refine(
         if layout is None:
             break
         found.append(evaluate(problem, to_assignment(problem, finer, layout), replicas=replicas, bounds=bounds))
-        if not (fits(found[-1]) and found[-1].bottleneck_seconds < best.bottleneck_seconds * (1 - _IMPROVES)):
+        if not (within(problem, found[-1]) and found[-1].bottleneck_seconds < best.bottleneck_seconds * (1 - _IMPROVES)):
             break
         best = found[-1]
         if time.perf_counter() >= deadline:
@@ -195,9 +196,10 @@ def _layout_of(problem: Problem, plan: Plan, blocks: Blocks, replicas: bool) -> 
     )
 
 
-def _choose(found: list[Plan], by_iteration: bool = False) -> Plan | None:
-    """The fitting plan with the least bottleneck (or iteration time, then bottleneck), then the least communication."""
-    fitting = [p for p in found if fits(p)]
+def _choose(problem: Problem, found: list[Plan], by_iteration: bool = False) -> Plan | None:
+    """The plan that fits (within the latency bound) with the least bottleneck (or iteration time, then
+    bottleneck), then the least communication."""
+    fitting = [p for p in found if within(problem, p)]
     if not fitting:
         return None
 
@@ -218,6 +220,17 @@ def infeasible_message(problem: Problem, bound: LowerBound, stages: int) -> str:
         f"no plan with {stages} stages fits in memory (largest device {format_bytes(cap)}; every plan needs at least "
         f"{format_bytes(need)} on some device, more once activations are stashed); {fixes}"
     )
+
+
+def latency_message(problem: Problem, fitting: Sequence[float], stages: int | None = None) -> str:
+    """Why no plan is taken although some fit in memory (`fitting`: their latencies): each is over
+    `--max-latency`; names the least latency among them."""
+    best = min(fitting)
+    of = f" of {stages} stage{'s' if stages != 1 else ''}" if stages is not None else ""
+    more = " or drop --stages (fewer stages: fewer transfers)," if stages is not None else ""
+    return (f"no plan{of} has a latency within --max-latency {problem.max_latency * 1e3:.4g} ms: the least latency among the "
+            f"{len(fitting)} plans priced that fit is {best * 1e3:.4g} ms; raise --max-latency to at least {best * 1e3:.4g} ms,{more} "
+            "or make each micro-batch smaller (more --microbatches, or a smaller --batch)")
 
 
 def _ensure_some_fit(problem: Problem, bound: LowerBound, stages: int) -> None:

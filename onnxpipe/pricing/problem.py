@@ -7,6 +7,7 @@ Every solver, baseline and bound reads one `Problem`, built by the pure function
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -83,6 +84,8 @@ class Problem:
     corun_backward: np.ndarray
     #: One of MODES; in inference the backward arrays are zeros.
     mode: str = "training"
+    #: Inference: the most seconds a plan's latency may take (`Plan.latency_seconds`); plans above it are not taken.
+    max_latency: float = math.inf
 
     @property
     def training(self) -> bool:
@@ -112,7 +115,8 @@ class Problem:
         keep.update(changes)
         if keep["batch"] == self.batch and keep["microbatches"] == self.microbatches:
             return dataclasses.replace(self, schedule=keep["schedule"], optimizer=keep["optimizer"])
-        return build_problem(self.graph, self.costs, self.target, dtype=self.dtype, mode=self.mode, **keep)  # type: ignore[arg-type]
+        rebuilt = build_problem(self.graph, self.costs, self.target, dtype=self.dtype, mode=self.mode, **keep)  # type: ignore[arg-type]
+        return dataclasses.replace(rebuilt, max_latency=self.max_latency)
 
     def flights(self, stages: int) -> tuple[int, ...]:
         """Micro-batches whose activations each of `stages` stages holds at once: the schedule's in flight
@@ -171,11 +175,16 @@ def build_problem(
     optimizer: str = "adam",
     dtype: str | None = None,
     mode: str = "training",
+    max_latency: float = math.inf,
 ) -> Problem:
     """Scale the graph's costs to one micro-batch and tabulate them per device group."""
     _ensure_options(graph, batch, microbatches, schedule, optimizer)
     if mode not in MODES:
         raise OnnxpipeError(f"unknown mode '{mode}'; choose one of: {', '.join(MODES)}")
+    if not max_latency > 0:
+        raise OnnxpipeError(f"--max-latency {max_latency}: must be a positive number of seconds")
+    if mode == "training" and max_latency < math.inf:
+        raise OnnxpipeError("--max-latency bounds an inference pipeline's latency; add --mode inference")
     nodes = graph.compute_nodes
     missing = [n for n in nodes if n not in costs.nodes]
     if missing:
@@ -241,6 +250,7 @@ def build_problem(
         corun_forward=corun_forward,
         corun_backward=2 * corun_forward if mode == "training" else np.zeros_like(corun_forward),
         mode=mode,
+        max_latency=max_latency,
     )
 
 
