@@ -556,6 +556,8 @@ def _print_plan_quality(plan: Any) -> None:
             f"over {plural(info.blocks, 'block')} (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
     console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, "
                   f"{info.solve_seconds:.2f} s", highlight=False)
+    for note in plan.notes:
+        console.print(f"note: {escape(note)}", highlight=False)
 
 
 @app.command("plan")

@@ -29,6 +29,11 @@ BatchNormalization, InstanceNormalization and GroupNormalization read their inpu
 and `batch_norm_transform_input_kernel`), so their read bytes count it twice, and their backward (a reduce
 pass and an elementwise pass over dY and X) dY + 2 x that.
 
+Quantized kernels (`onnxpipe.quantized`): QLinearConv, QLinearMatMul, ConvInteger, MatMulInteger and a
+Conv/MatMul/Gemm fed by DequantizeLinear of int8 or uint8 data on both operands (the QDQ form) carry
+`dtype="int8"`, so the time model prices them at the device's int8 rate, and read their operands at int8
+bytes (what the fused kernel reads). QuantizeLinear and DequantizeLinear themselves are elementwise nodes.
+
 Control flow: a Loop costs its body times the trip count when that count is a constant (else
 once, and "Loop" is listed in `unknown_ops`); a Scan its body times the scanned axis length;
 an If its costlier branch (only one runs).
@@ -53,6 +58,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
 from onnxpipe.protostream import load_weights
+from onnxpipe.quantized import int8_operands
 
 __all__ = [
     "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "with_measurements", "summarize",
@@ -99,6 +105,9 @@ class NodeCost:
     measured_on: str | None = None
     #: Where the measured times come from ("profile:CPUExecutionProvider", "import:times.json", ...); "" when analytic.
     source: str = ""
+    #: The numeric type whose peak rate the kernel runs at when it is not the model's float type: "int8" for
+    #: a quantized matmul or convolution; "" otherwise (the float type the problem prices).
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -213,8 +222,11 @@ def _node_cost(
     node: onnx.NodeProto, reads: Iterable[str], graph: Graph, constants: frozenset[str], param_bytes: float, graded: frozenset[str] | None = None
 ) -> tuple[NodeCost, set[str]]:
     """One node's cost in the scope of `graph` (the model or a control-flow body) and the op types it could not
-    cost. `graded`: the tensors that get a gradient (None: every input does)."""
-    read = float(sum(_nbytes(graph, t) for t in reads if t not in constants or _is_float(graph, t)))
+    cost. `graded`: the tensors that get a gradient (None: every input does). A quantized kernel reads its
+    data operands as the int8 tensors they come from, and its integer weights and bias."""
+    quantized = int8_operands(graph, node)
+    read = float(sum(_nbytes(graph, quantized.get(t, t)) for t in reads
+                     if t not in constants or _is_float(graph, t) or (quantized and (t in quantized or _is_block(graph, t)))))
     written = float(sum(_nbytes(graph, o) for o in node.output if o))
     if node.op_type in CONTROL_FLOW_OPS and node.domain in ("", "ai.onnx"):
         return _control_flow(node, graph, constants, read, written, param_bytes)
@@ -248,8 +260,9 @@ def _node_cost(
         known=known,
         gemm_k=float(gemm[0]) if gemm else 0.0,
         gemm_n=float(gemm[1]) if gemm else 0.0,
-        winograd=bool(gemm and gemm[2]),
+        winograd=bool(gemm and gemm[2]) and not quantized,  # int8 kernels run as GEMMs, not Winograd transforms
         backward_kernels=kernels,
+        dtype="int8" if quantized else "",
     )
     return cost, set() if known else {node.op_type}
 
@@ -439,7 +452,7 @@ def summarize(costs: Costs) -> tuple[list[OpTypeSummary], dict[str, float]]:
 _PREFIX = "onnxpipe."
 #: Models this large keep their weights in a side file: protobuf cannot serialize 2 GB.
 _EXTERNAL_DATA_BYTES = 2**31 - 2**20
-_TEXT_FIELDS = ("op_type", "op_class", "known", "winograd", "measured_on", "source")
+_TEXT_FIELDS = ("op_type", "op_class", "known", "winograd", "measured_on", "source", "dtype")
 _NUMBER_FIELDS = tuple(f.name for f in fields(NodeCost) if f.name not in _TEXT_FIELDS)
 
 
@@ -459,7 +472,7 @@ def write_annotated(graph: Graph, costs: Costs, path: str | os.PathLike) -> None
 
 def _node_props(cost: NodeCost) -> dict[str, str]:
     props = {f"{_PREFIX}op_class": cost.op_class, f"{_PREFIX}known": str(cost.known).lower(), f"{_PREFIX}winograd": str(cost.winograd).lower()}
-    props.update({_PREFIX + key: getattr(cost, key) for key in ("measured_on", "source") if getattr(cost, key)})
+    props.update({_PREFIX + key: getattr(cost, key) for key in ("measured_on", "source", "dtype") if getattr(cost, key)})
     for key in _NUMBER_FIELDS:
         value = getattr(cost, key)
         if value is not None:
@@ -488,6 +501,7 @@ def read_annotated(graph: Graph) -> Costs | None:
             measured_on = props.get("measured_on") or ("cpu" if numbers.get("measured_seconds") is not None else None)
             nodes[name] = NodeCost(op_type=node.op_type, op_class=props["op_class"], known=props.get("known", "true") == "true",
                                    winograd=props.get("winograd") == "true", measured_on=measured_on, source=props.get("source", ""),
+                                   dtype=props.get("dtype", ""),
                                    **numbers)  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as exc:
             raise OnnxpipeError(f"{graph.source}: node '{name}' has a damaged cost annotation ({exc}); re-run `onnxpipe annotate`") from exc

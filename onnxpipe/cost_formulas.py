@@ -18,7 +18,7 @@ from collections.abc import Callable
 import onnx
 from onnx import helper
 
-__all__ = ["MissingShape", "ShapeOf", "op_class", "forward_flops", "gemm_shape", "CONTROL_FLOW_OPS", "TWO_PASS_NORMS"]
+__all__ = ["MissingShape", "ShapeOf", "op_class", "forward_flops", "gemm_shape", "CONTROL_FLOW_OPS", "TWO_PASS_NORMS", "OPERANDS", "INTEGER_OPS"]
 
 #: Looks up the concrete shape of a tensor; raises MissingShape when it is not known.
 ShapeOf = Callable[[str], tuple[int, ...]]
@@ -27,6 +27,15 @@ CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 #: Normalizations whose training forward reads the input twice (statistics over the batch or a spatial
 #: extent too large to keep in registers, then the normalization itself).
 TWO_PASS_NORMS = frozenset({"BatchNormalization", "InstanceNormalization", "GroupNormalization"})
+
+#: Input positions of (data, weight, bias) of each matmul and convolution op; None where it takes no bias
+#: (ConvInteger's third input is a zero point, QLinearConv's operands sit between scales and zero points).
+OPERANDS: dict[str, tuple[int, int, int | None]] = {
+    "Conv": (0, 1, 2), "ConvTranspose": (0, 1, 2), "ConvInteger": (0, 1, None), "QLinearConv": (0, 3, 8),
+    "MatMul": (0, 1, None), "MatMulInteger": (0, 1, None), "QLinearMatMul": (0, 3, None), "Gemm": (0, 1, 2),
+}
+#: Ops that compute on integer operands themselves (the operator form of a quantized model).
+INTEGER_OPS = frozenset({"QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger"})
 
 #: Domains whose op types the tables below describe.
 _KNOWN_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft"})
@@ -48,6 +57,7 @@ _ELEMENTWISE = {
         1,
     ),
     **dict.fromkeys(("Clip", "LeakyRelu", "PRelu", "HardSigmoid", "Shrink", "QuantizeLinear", "DequantizeLinear"), 2),
+    "DynamicQuantizeLinear": 4,  # min and max for the scale, then scale, round, shift, saturate
     "HardSwish": 3,
     **dict.fromkeys(
         ("Exp", "Log", "Erf", "Tanh", "Sigmoid", "Pow", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh",
@@ -96,9 +106,9 @@ _RNN_CELL = {"LSTM": 9, "GRU": 7, "RNN": 1}
 
 def op_class(op_type: str) -> str:
     """The op class (one of cost.OP_CLASSES) of an op type; "other" when none fits."""
-    if op_type in ("MatMul", "Gemm", "Einsum", "MatMulInteger"):
+    if op_type in ("MatMul", "Gemm", "Einsum", "MatMulInteger", "QLinearMatMul"):
         return "matmul"
-    if op_type in ("Conv", "ConvTranspose", "ConvInteger"):
+    if op_type in ("Conv", "ConvTranspose", "ConvInteger", "QLinearConv"):
         return "conv"
     if op_type in _RNN_GATES:
         return "rnn"
@@ -141,15 +151,20 @@ def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _has_input(node: onnx.NodeProto, i: int) -> bool:
-    return len(node.input) > i and bool(node.input[i])
+def _has_input(node: onnx.NodeProto, i: int | None) -> bool:
+    return i is not None and len(node.input) > i and bool(node.input[i])
+
+
+def _operand(node: onnx.NodeProto, which: int) -> str:
+    """The data (0) or weight (1) input of a matmul or convolution."""
+    return node.input[OPERANDS[node.op_type][which]]
 
 
 def _conv(node: onnx.NodeProto, shape: ShapeOf) -> float:
     """Each output element sums C_in/groups x kernel products; the output shape carries strides, pads, dilations."""
-    out, weight = shape(node.output[0]), shape(node.input[1])
+    out, weight = shape(node.output[0]), shape(_operand(node, 1))
     macs = math.prod(out) * math.prod(weight[1:])
-    return 2 * macs + (math.prod(out) if _has_input(node, 2) else 0)
+    return 2 * macs + (math.prod(out) if _has_input(node, OPERANDS[node.op_type][2]) else 0)
 
 
 def _conv_transpose(node: onnx.NodeProto, shape: ShapeOf) -> float:
@@ -161,7 +176,7 @@ def _conv_transpose(node: onnx.NodeProto, shape: ShapeOf) -> float:
 
 def _matmul(node: onnx.NodeProto, shape: ShapeOf) -> float:
     """Every output element (batch dims broadcast) is a K-long dot product."""
-    return 2 * math.prod(shape(node.output[0])) * shape(node.input[0])[-1]
+    return 2 * math.prod(shape(node.output[0])) * shape(_operand(node, 0))[-1]
 
 
 def _gemm(node: onnx.NodeProto, shape: ShapeOf) -> float:
@@ -233,9 +248,11 @@ def _lrn(node: onnx.NodeProto, shape: ShapeOf) -> float:
 _FAMILIES: dict[str, Callable[[onnx.NodeProto, ShapeOf], float]] = {
     "Conv": _conv,
     "ConvInteger": _conv,
+    "QLinearConv": _conv,
     "ConvTranspose": _conv_transpose,
     "MatMul": _matmul,
     "MatMulInteger": _matmul,
+    "QLinearMatMul": _matmul,
     "Gemm": _gemm,
     "Einsum": _einsum,
     "LSTM": _rnn,
@@ -253,8 +270,8 @@ def gemm_shape(node: onnx.NodeProto, shape: ShapeOf) -> tuple[int, int, bool] | 
     if node.domain not in _KNOWN_DOMAINS:
         return None
     op = node.op_type
-    if op in ("Conv", "ConvInteger", "ConvTranspose"):
-        weight, attrs = shape(node.input[1]), _attrs(node)
+    if op in ("Conv", "ConvInteger", "QLinearConv", "ConvTranspose"):
+        weight, attrs = shape(_operand(node, 1)), _attrs(node)
         groups = int(attrs.get("group", 1))  # type: ignore[call-overload]
         kernel = list(weight[2:])
         if op == "ConvTranspose":  # weight: C_in x C_out/groups x kernel
@@ -266,9 +283,9 @@ def gemm_shape(node: onnx.NodeProto, shape: ShapeOf) -> tuple[int, int, bool] | 
         k = per_group * math.prod(kernel)
         unit = all(int(v) == 1 for v in list(attrs.get("strides", [])) + list(attrs.get("dilations", [])))  # type: ignore[call-overload]
         return k, n, op == "Conv" and groups == 1 and kernel == [3, 3] and unit
-    if op in ("MatMul", "MatMulInteger"):
+    if op in ("MatMul", "MatMulInteger", "QLinearMatMul"):
         out = shape(node.output[0])
-        return shape(node.input[0])[-1], (out[-1] if out else 1), False
+        return shape(_operand(node, 0))[-1], (out[-1] if out else 1), False
     if op == "Gemm":
         a, out = shape(node.input[0]), shape(node.output[0])
         return (a[0] if _attrs(node).get("transA", 0) else a[1]), out[1], False

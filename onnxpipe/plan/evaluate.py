@@ -13,6 +13,7 @@ import numpy as np
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.bounds import Bounds, lower_bound
 from onnxpipe.plan.result import Plan, SolveInfo, StagePlan
+from onnxpipe.pricing.notes import pricing_notes
 from onnxpipe.pricing.problem import Problem, schedule_table
 from onnxpipe.pricing.stage import Assignment, StageCost, price
 from onnxpipe.schedule import stage_rows
@@ -50,6 +51,7 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
         solver=info,
         mode=problem.mode,
         latency_seconds=0.0 if problem.training else sim.latency_seconds,
+        notes=pricing_notes(problem, stage_of, assignment.devices),
     )
 
 

@@ -134,6 +134,9 @@ class Plan:
     mode: str = "training"
     #: Predicted seconds one micro-batch takes through the whole pipeline (inference; 0 for training plans).
     latency_seconds: float = 0.0
+    #: What the prices assumed that the reader should know (`pricing.notes`): a stage boundary sending int8 data
+    #: at the float size a DequantizeLinear made of it, int8 kernels priced at float32 where a device has no int8 rate.
+    notes: tuple[str, ...] = ()
 
     @property
     def bottleneck_stage(self) -> int:

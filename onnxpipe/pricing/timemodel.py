@@ -6,7 +6,7 @@ from __future__ import annotations
 from onnxpipe.cost import NodeCost
 from onnxpipe.target import Device, KernelModel, MessageCpu, Target
 
-__all__ = ["node_seconds", "shape_factor", "transfer_seconds", "allreduce_seconds", "corun_seconds", "message_cpu"]
+__all__ = ["node_seconds", "rate_dtype", "shape_factor", "transfer_seconds", "allreduce_seconds", "corun_seconds", "message_cpu"]
 
 
 def node_seconds(device: Device, cost: NodeCost, dtype: str = "float32", backward: bool = False) -> float:
@@ -17,17 +17,24 @@ def node_seconds(device: Device, cost: NodeCost, dtype: str = "float32", backwar
         max(flops / (peak x efficiency[op class] x shape_factor), bytes / (bandwidth x memory_efficiency))
         + op_overhead x kernels    (1 forward, the node's backward_kernels backward)
 
+    The peak is the device's rate for the node's own dtype where it has one (an int8 kernel of a quantized
+    model: `NodeCost.dtype`), else for `dtype` (the model's float type), else its float32 rate (`rate_dtype`).
     With `KernelModel()`'s neutral values (cpu and fpga devices by default) this is the plain roofline."""
     measured = cost.measured_backward_seconds if backward else cost.measured_seconds
     if measured is not None and device.kind == (cost.measured_on or "cpu"):
         return measured
     flops = cost.backward_flops if backward else cost.flops
     nbytes = cost.backward_bytes if backward else cost.bytes_read + cost.bytes_written
-    peak = device.peak_flops.get(dtype) or device.peak_flops["float32"]
+    peak = device.peak_flops[rate_dtype(device, cost.dtype or dtype)]
     efficiency = device.efficiency.get(cost.op_class, device.efficiency.get("default", 1.0)) * shape_factor(device.kernels, cost)
     kernels = cost.backward_kernels if backward else 1.0
     memory = nbytes / (device.memory_bandwidth * device.kernels.memory_efficiency)
     return max(flops / (peak * efficiency), memory) + device.op_overhead * kernels
+
+
+def rate_dtype(device: Device, dtype: str) -> str:
+    """The dtype whose peak rate prices a `dtype` kernel on `device`: its own where the device lists one, else float32."""
+    return dtype if dtype in device.peak_flops else "float32"
 
 
 def shape_factor(model: KernelModel, cost: NodeCost) -> float:
