@@ -518,22 +518,34 @@ def run(
     inputs: str = typer.Option(..., "--inputs", help="An .npz with one array per model input."),
     output: str = typer.Option(..., "-o", "--output", help="The .npz to write, one array per model output."),
     microbatches: int = typer.Option(1, "--microbatches", help="Cut the inputs along axis 0 into this many micro-batches and pipeline them."),
+    repeat: int = typer.Option(1, "--repeat", help="Stream the micro-batches through this many times; above 1 the first pass is a warm-up and the figures are medians of the rest."),
+    json_path: str = typer.Option(None, "--json", help="Write the measured figures and timeline as JSON (the keys `simulate --json` uses)."),
 ) -> None:
-    """Run a stage directory as an inference pipeline on onnxruntime: one worker process per stage."""
+    """Run a stage directory as an inference pipeline on onnxruntime: one worker process per stage, the
+    micro-batches streamed through the stages; prints the measured throughput and latency."""
     import numpy as np
 
     from onnxpipe.chain import write_npz
     from onnxpipe.feeds import read_npz
-    from onnxpipe.train.infer import run_pipeline
+    from onnxpipe.fileio import write_json
+    from onnxpipe.train.infer import stream
 
-    ensure_counts(microbatches=(microbatches, 1))
+    ensure_counts(microbatches=(microbatches, 1), repeat=(repeat, 1))
     feeds = read_npz(inputs)
-    outputs = run_pipeline(directory, feeds, microbatches=microbatches)
+    streamed = stream(directory, feeds, microbatches=microbatches, repeat=repeat)
+    outputs, m = streamed.outputs, streamed.metrics
     rows = next((len(v) for v in feeds.values() if np.ndim(v)), 0)
     console.print(f"batch {rows} = {microbatches} micro-batch{'es' if microbatches != 1 else ''} of {rows // microbatches} "
                   "(the stage files' batch)", highlight=False)
+    over = f" (median of {repeat - 1} passes after a warm-up)" if repeat > 1 else " (one pass, warm-up included: --repeat 3 for steady figures)"
+    console.print(f"measured: {m['samples_per_s']:.4g} samples/s, pass {m['iteration_seconds'] * 1e3:.3f} ms, latency "
+                  f"{m['latency_seconds'] * 1e3:.3f} ms per micro-batch (first stage in to last stage out), bubble {m['bubble_fraction']:.1%}{over}",
+                  highlight=False)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
+    if json_path:
+        write_json(json_path, m)
+        console.print(f"wrote {escape(json_path)}", highlight=False)
 
 
 # --- plan --------------------------------------------------------------------

@@ -435,7 +435,8 @@ class _Run:
         n = len(self.rows)
         while True:
             self.step()
-            if all(self.cursor[w] == len(self.rows[w]) for w in range(n)):
+            # Done once every row is through and no action still runs on the shared cores (an inference row ends in an F).
+            if all(self.cursor[w] == len(self.rows[w]) for w in range(n)) and all(math.isfinite(t) for t in self.free_at):
                 break
             later = min([t for t in self.free_at if t > self.now] + [self.links.next_time(self.now), self.cores.next_time(self.now) if self.cores else math.inf])
             if math.isinf(later):

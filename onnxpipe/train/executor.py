@@ -35,7 +35,7 @@ from onnxpipe.train.stage import StageSpec, mean_loss, post_inputs
 from onnxpipe.train.timeline import step_events
 from onnxpipe.train.transport import Transport
 
-__all__ = ["Backend", "Executor", "Failure", "StepStats", "PHASES"]
+__all__ = ["Backend", "Executor", "Failure", "StepStats", "InferStats", "PHASES"]
 
 #: How a worker's op reads in an error message.
 PHASES = {"F": "forward", "B": "backward", "W": "weight gradients", "STEP": "optimizer step", "RECV_F": "receiving activations",
@@ -112,6 +112,17 @@ class StepStats:
     places: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class InferStats:
+    """Measurements of one forward-only pass over the micro-batches, per worker (as in `StepStats`)."""
+
+    seconds: float
+    busy_seconds: tuple[float, ...]
+    peak_rss_bytes: tuple[int, ...]
+    events: tuple[Event, ...]
+    places: tuple[tuple[int, int], ...]
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 _R = TypeVar("_R", bound=Reply)
 
@@ -141,6 +152,7 @@ class Executor:
         self.places = tuple((s.index, s.replica) for s in self.specs)
         self.stall_seconds = stall_seconds
         self.last: StepStats | None = None
+        self.last_inference: InferStats | None = None
         self._closed = False
         self.backend = backend(self.specs)
         try:
@@ -171,7 +183,11 @@ class Executor:
     def infer(self, microbatches: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Forward only (the forward-only rows); per micro-batch, the outputs the stages collect (`Wiring.model_outputs`)."""
         merged: list[dict[str, np.ndarray]] = [{} for _ in microbatches]
-        for reply in self._run(Infer(), microbatches, Outputs):
+        start = time.perf_counter()
+        replies = self._run(Infer(), microbatches, Outputs)
+        self.last_inference = InferStats(time.perf_counter() - start, tuple(r.busy_seconds for r in replies), tuple(r.peak_rss_bytes for r in replies),
+                                         step_events(start, [r.timings for r in replies], [s for s, _ in self.places]), self.places)
+        for reply in replies:
             for i, out in reply.outputs.items():
                 merged[i].update(out)
         return merged

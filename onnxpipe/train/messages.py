@@ -80,6 +80,10 @@ class Outputs:
 
     worker: int
     outputs: dict[int, dict[str, np.ndarray]] = field(repr=False)
+    #: Seconds computing, peak RSS of the worker (0: not measured), and what it ran when.
+    busy_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    timings: tuple[Timing, ...] = ()
 
 
 @dataclass(frozen=True)

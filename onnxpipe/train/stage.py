@@ -370,8 +370,7 @@ class StageServer:
             return StepDone(me, r.take_losses(), r.busy_seconds - busy, t.copy_seconds - copy, t.copy_cpu_seconds - cpu,
                             r.peak_stash_bytes, self._rss(), tuple(self.program.take_timings()))
         if isinstance(command, Infer):
-            self.program.take_timings()
-            return Outputs(me, self.program.take_outputs())
+            return Outputs(me, self.program.take_outputs(), r.busy_seconds - self._before[0], self._rss(), tuple(self.program.take_timings()))
         if isinstance(command, GetState):
             return State(me, {k: v.copy() for k, v in r.params.items()}, {k: np.array(v) for k, v in r.optimizer.state().items()})
         if isinstance(command, SetState):
