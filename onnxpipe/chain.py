@@ -22,10 +22,10 @@ from onnxpipe.ortutil import cpu_session, ort_reason
 __all__ = ["chain", "check_feeds", "session", "write_npz"]
 
 
-def session(path: str | os.PathLike) -> object:
-    """An onnxruntime CPU session with quiet logs."""
+def session(path: str | os.PathLike, optimize: bool = True) -> object:
+    """An onnxruntime CPU session with quiet logs; `optimize=False` runs the file's own nodes one by one."""
     try:
-        return cpu_session(path)
+        return cpu_session(path, optimize=optimize)
     except Exception as exc:  # onnxruntime raises its own unrelated types
         raise OnnxpipeError(f"{path}: onnxruntime cannot load it ({ort_reason(exc)}); re-split the model with `onnxpipe split`") from exc
 
@@ -51,12 +51,13 @@ def _full_shape(shape: tuple[int, ...], microbatches: int) -> tuple[int, ...]:
     return (shape[0] * microbatches, *shape[1:]) if shape else ()
 
 
-def chain(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run the stages in order, each on the model inputs and earlier stages' outputs it lists."""
+def chain(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], optimize: bool = True) -> dict[str, np.ndarray]:
+    """Run the stages in order, each on the model inputs and earlier stages' outputs it lists (`optimize=False`:
+    each stage's nodes one by one, without onnxruntime's graph fusions)."""
     manifest = Manifest.read(directory)
     values: dict[str, np.ndarray] = dict(check_feeds(manifest.inputs, feeds, ranges=index_ranges(directory, manifest)))
     for stage in manifest.stages:
-        values.update(_run_stage(session(Path(directory) / stage.file), stage, values))
+        values.update(_run_stage(session(Path(directory) / stage.file, optimize), stage, values))
     return {out.name: values[out.name] for out in manifest.outputs}
 
 

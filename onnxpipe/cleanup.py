@@ -6,7 +6,8 @@ Exporters spell `x.view(b, s, h, d)` as Shape -> Gather -> Unsqueeze -> Concat -
 activation, those nodes tie a far-away Reshape to it and look like work. Once the dims are bound their
 values are known (`shapes.infer` folded them); here the nodes are replaced by those values. Weights are
 never folded (a Transpose of a weight stays a constant chain, so training still updates the weight),
-nor are values that would look like weights (float tensors of more than one element stay computed).
+nor are values that would look like weights (float tensors of more than one element stay computed), nor
+quantization nodes (a DequantizeLinear of an int8 scalar stays one, so the stages keep the model's quantization).
 
 Reading order: `clean` -> `_fold` -> `_drop_identities`.
 """
@@ -20,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxpipe.nodes import has_subgraph, is_weight, subgraph_captures
+from onnxpipe.nodes import QUANTIZATION_OPS, has_subgraph, is_weight, subgraph_captures
 from onnxpipe.shapes import STANDARD_DOMAINS
 
 __all__ = ["Cleaned", "clean"]
@@ -55,7 +56,8 @@ def _fold(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes
         outs = [o for o in node.output if o]
         if node.name not in folded_nodes or any(o not in folded for o in outs):
             continue
-        if any(i in tainted for i in node.input) or any(is_weight(folded[o].dtype, folded[o].shape) for o in outs):
+        if (any(i in tainted for i in node.input) or any(is_weight(folded[o].dtype, folded[o].shape) for o in outs)
+                or node.op_type in QUANTIZATION_OPS):
             tainted.update(outs)
             continue
         taken.append(node.name)

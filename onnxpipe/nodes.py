@@ -8,10 +8,13 @@ import math
 import numpy as np
 import onnx
 
-__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "RANDOM_OPS"]
+__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "RANDOM_OPS", "QUANTIZATION_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
+#: Ops that make a model quantized; clean-up never folds them (a quantized model's stages keep its quantization).
+QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger",
+                              "MatMulInteger"})
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:

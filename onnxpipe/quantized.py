@@ -14,8 +14,9 @@ import onnx
 
 from onnxpipe.cost_formulas import INTEGER_OPS, OPERANDS
 from onnxpipe.graph import Graph
+from onnxpipe.nodes import QUANTIZATION_OPS
 
-__all__ = ["INT8_TYPES", "QDQ_OPS", "dequantized_source", "int8_operands"]
+__all__ = ["INT8_TYPES", "QDQ_OPS", "QUANTIZATION_OPS", "dequantized_source", "int8_operands", "is_quantized"]
 
 #: Numpy dtype names of the data an int8 kernel reads.
 INT8_TYPES = frozenset({"int8", "uint8"})
@@ -23,6 +24,12 @@ INT8_TYPES = frozenset({"int8", "uint8"})
 QDQ_OPS = frozenset({"Conv", "MatMul", "Gemm"})
 
 _DOMAINS = frozenset({"", "ai.onnx"})
+
+
+def is_quantized(model: onnx.ModelProto) -> bool:
+    """Whether a model (its top-level graph) quantizes: runtimes fuse its Q/DQ patterns into int8 kernels that round
+    differently from the same nodes run one by one, so only op-by-op runs of it and of its stages agree exactly."""
+    return any(n.op_type in QUANTIZATION_OPS for n in model.graph.node)
 
 
 def dequantized_source(graph: Graph, tensor: str) -> str | None:

@@ -1,5 +1,11 @@
 """Check a stage directory against the model it was cut from: same random inputs, chained stages vs
-the unsplit model in onnxruntime, max relative error per output."""
+the unsplit model in onnxruntime, max relative error per output.
+
+A quantized model is compared op by op (onnxruntime's graph fusions off on both sides): fused int8 kernels
+(DequantizeLinear -> op -> QuantizeLinear made one QLinear kernel) round differently from the nodes they replace,
+and a stage boundary inside such a pattern leaves it unfused in the stages while the whole model fuses it, so
+fused runs differ by quantization steps that say nothing about the cut. Op by op, the stages compute exactly
+the model's arithmetic."""
 
 from __future__ import annotations
 
@@ -8,16 +14,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
 from onnxpipe.ortutil import cpu_session
 from onnxpipe.protostream import read_header
+from onnxpipe.quantized import is_quantized
 from onnxpipe.safepath import ensure_external_data_inside
 from onnxpipe.split import MAX_IR_VERSION
 
-__all__ = ["verify", "random_feeds", "relative_error", "tolerance", "TOLERANCE"]
+__all__ = ["verify", "op_by_op", "random_feeds", "relative_error", "tolerance", "TOLERANCE"]
 
 #: Max relative error (fp32, fp64) accepted between chained stages and the unsplit model.
 TOLERANCE = 1e-5
@@ -69,7 +77,8 @@ def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims:
         raise OnnxpipeError(f"--samples {samples}: must be at least 1")
     manifest = Manifest.read(directory)
     _ensure_same_dims(Path(directory), dims)
-    original = _original_session(Path(model_path))
+    fused = not op_by_op(model_path)
+    original = _original_session(Path(model_path), fused)
     names = [o.name for o in manifest.outputs]
     _ensure_same_interface(manifest, original, model_path)
     rng = np.random.default_rng(seed)
@@ -77,7 +86,7 @@ def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims:
     for _ in range(samples):
         feeds = random_feeds(manifest.inputs, rng)
         want = dict(zip(names, original.run(names, feeds)))  # type: ignore[attr-defined]
-        got = chain(directory, feeds)
+        got = chain(directory, feeds, optimize=fused)
         for name in names:
             errors[name] = max(errors[name], relative_error(got[name], want[name], atol))
     return errors
@@ -104,22 +113,28 @@ def _ensure_same_dims(directory: Path, dims: Mapping[str, int] | None) -> None:
         raise OnnxpipeError(f"--dim {name}={value}: the stages were split with {name}={used.get(name)}; verify with the dims used to split")
 
 
-def _original_session(path: Path) -> object:
-    """A session on the unsplit model; models above the IR version onnxruntime loads are lowered in memory."""
-    import onnx
+def op_by_op(model_path: str | os.PathLike) -> bool:
+    """Whether `verify` compares this model and its stages op by op (a quantized model), read from its header."""
+    return is_quantized(_header(Path(model_path)))
 
+
+def _header(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise OnnxpipeError(f"{path}: no such file; pass the model the stages were split from")
     try:
-        header = read_header(path)
+        return read_header(path)
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); pass the model the stages were split from") from exc
-    ensure_external_data_inside(path, header, "keep a model's external-data files in its own directory and re-save it")
+
+
+def _original_session(path: Path, optimize: bool) -> object:
+    """A session on the unsplit model; models above the IR version onnxruntime loads are lowered in memory."""
+    ensure_external_data_inside(path, _header(path), "keep a model's external-data files in its own directory and re-save it")
     try:
-        return session(path)
+        return session(path, optimize)
     except OnnxpipeError:
         model = onnx.load(str(path))
         if model.ir_version <= MAX_IR_VERSION:
             raise
         model.ir_version = MAX_IR_VERSION
-        return cpu_session(model.SerializeToString())
+        return cpu_session(model.SerializeToString(), optimize=optimize)
