@@ -543,7 +543,7 @@ def run(
     over = f" (median of {repeat - 1} passes after a warm-up)" if repeat > 1 else " (one pass, warm-up included: --repeat 3 for steady figures)"
     console.print(f"measured: {m['samples_per_s']:.4g} samples/s, pass {m['iteration_seconds'] * 1e3:.3f} ms, latency "
                   f"{m['latency_seconds'] * 1e3:.3f} ms per micro-batch (first stage in to last stage out), bubble {m['bubble_fraction']:.1%}{over}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
     if json_path:

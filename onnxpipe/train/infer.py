@@ -83,13 +83,12 @@ def stream(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microb
 
 def inference_metrics(passes: Sequence[InferStats], *, batch: int, microbatches: int, schedule: str,
                       devices: Sequence[Sequence[str]], capacity: Sequence[float]) -> dict[str, Any]:
-    """Measured passes under `Simulation.to_json`'s keys (medians over the passes): a pass's seconds run from
-    its first worker action's start to its last action's end (what the simulator's iteration spans; the
-    driver's command and reply around it are not the pipeline's), the latency is micro-batch 0's first
+    """Measured passes under `Simulation.to_json`'s keys (medians over the passes): a pass's seconds are the
+    driver's wall time for it (posting the inputs, the workers' rows, collecting the outputs: what the
+    simulator's iteration and the targets' `step_overhead` count), the latency is micro-batch 0's first
     stage's forward start to its last stage's forward end, in a pipeline it entered empty."""
     stages = len(devices)
-    spans = [max(e.end for e in p.events) - min(e.start for e in p.events) for p in passes]
-    seconds = statistics.median(spans)
+    seconds = statistics.median(p.seconds for p in passes)
     places = passes[0].places
     busy = [statistics.median(col) for col in zip(*(p.busy_seconds for p in passes))]
     rss = [max(col) for col in zip(*(p.peak_rss_bytes for p in passes))]
