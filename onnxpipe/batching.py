@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.ortutil import ensure_runtime_loads
 from onnxpipe.protostream import read_header
 from onnxpipe.units import plural
 
@@ -62,9 +63,11 @@ def _header(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
     try:
-        return read_header(path)
+        header = read_header(path)
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete") from exc
+    ensure_runtime_loads(header, str(path))
+    return header
 
 
 def _leading(inputs: Sequence[onnx.ValueInfoProto]) -> tuple[str, str | None, int | None]:

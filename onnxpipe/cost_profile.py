@@ -27,13 +27,14 @@ from onnx import TensorProto, helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
-    CPU_PROVIDER, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, complete_optional_outputs, gradient_model, pretraining_rewrite,
+    CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, complete_optional_outputs, gradient_model, pretraining_rewrite,
     quiet_stderr, state_inputs,
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
+from onnxpipe.units import format_bytes
 
-__all__ = ["profile_times", "execution_provider", "ensure_provider", "trace_medians", "own_names", "backward_by_forward"]
+__all__ = ["profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "own_names", "backward_by_forward"]
 
 #: Each device kind's own execution provider.
 _KIND_PROVIDERS = {"gpu": "CUDAExecutionProvider", "cpu": CPU_PROVIDER}
@@ -74,10 +75,11 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str
     if runs < 1 or warmup < 0:
         raise OnnxpipeError(f"profile runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
     ensure_provider(provider)
+    ensure_fits_in_memory(graph, _available_bytes())
     model = onnx.ModelProto()
     model.CopyFrom(graph.model)
     load_weights(model, graph.weights_dir or ".")  # profiling runs the model: it needs every weight
-    model.ir_version = min(model.ir_version, 10)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     feeds = _feeds(graph)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         forward = _profile(model, feeds, tmp, "forward", runs, warmup, provider)
@@ -91,6 +93,40 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str
     return {n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute}
 
 
+def ensure_fits_in_memory(graph: Graph, available: int) -> None:
+    """Fail in one line, before anything is allocated, when a profile run would need more than `available`
+    bytes: its inputs, every weight and every activation at the inferred shapes (the gradient graph's run
+    holds all activations at once). The dim named is the largest bound symbolic dim, else the largest input dim."""
+    tensors = graph.tensors
+    inputs = sum(tensors[n].nbytes for n in graph.inputs)
+    weights = sum(tensors[n].nbytes for n in graph.initializers)
+    activations = sum(tensors[o].nbytes for n in graph.compute_nodes for o in graph.node(n).output if o in tensors)
+    needed = inputs + weights + activations
+    if needed <= available:
+        return
+    if graph.dims:
+        name, value = max(graph.dims.items(), key=lambda kv: kv[1])
+        culprit, way_out = f"dim '{name}' = {value}", f"bind a smaller one with --dim {name}=N or a smaller --batch"
+    else:
+        name, axis, value = max(((i, a, d) for i in graph.inputs for a, d in enumerate(tensors[i].shape)), key=lambda t: t[2], default=("", 0, 0))
+        culprit, way_out = f"input '{name}' dim {axis} = {value}", "re-export with a smaller batch"
+    raise OnnxpipeError(f"profiling {graph.source} on this machine needs {format_bytes(needed)} (inputs {format_bytes(inputs)}, weights "
+                        f"{format_bytes(weights)}, activations {format_bytes(activations)}) but {format_bytes(available)} are available: "
+                        f"{culprit} sets most of it; {way_out}, or plan without profiling (plan --no-profile, or a target with profile = false)")
+
+
+def _available_bytes() -> int:
+    """Memory this process can take without swapping: MemAvailable on Linux, free physical pages elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _feeds(graph: Graph) -> dict[str, np.ndarray]:
     """Random normal floats; zeros for everything else (always a valid index, length or flag)."""
     rng = np.random.default_rng(0)
@@ -99,7 +135,7 @@ def _feeds(graph: Graph) -> dict[str, np.ndarray]:
         info = graph.tensors[name]
         dtype = np.dtype(info.dtype)
         if np.issubdtype(dtype, np.floating):
-            feeds[name] = rng.standard_normal(info.shape).astype(dtype)
+            feeds[name] = rng.standard_normal(info.shape, dtype=np.float32).astype(dtype, copy=False)
         else:
             feeds[name] = np.zeros(info.shape, dtype=dtype)
     return feeds

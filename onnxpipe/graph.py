@@ -24,7 +24,7 @@ from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
 from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures
-from onnxpipe.ortutil import cpu_session
+from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
 from onnxpipe.protostream import read_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
 from onnxpipe.units import plural
@@ -189,6 +189,7 @@ def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
     if isinstance(source, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(source)
+        ensure_runtime_loads(model, "<memory>")
         return model, "<memory>"
     path = Path(source)
     if not path.exists():
@@ -391,8 +392,7 @@ def _shapes_by_running(model: onnx.ModelProto, missing: list[str], origin: str) 
         onnx.external_data_helper.load_external_data_for_model(probe, str(weights_dir(origin)))
     del probe.graph.output[:]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in missing)
-    if probe.ir_version > 10:
-        probe.ir_version = 10
+    probe.ir_version = min(probe.ir_version, MAX_IR_VERSION)
     try:
         session = cpu_session(probe.SerializeToString(), optimize=False)
         feeds = {}

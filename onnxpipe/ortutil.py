@@ -9,12 +9,21 @@ import os
 import sys
 from collections.abc import Iterator, Mapping
 
+from onnxpipe.errors import OnnxpipeError
+
 __all__ = [
     "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "cuda_works", "gradient_model", "ort_reason",
     "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "pretraining_rewrite", "state_inputs",
+    "MAX_IR_VERSION", "MAX_OPSET", "ensure_runtime_loads",
 ]
 
 CPU_PROVIDER = "CPUExecutionProvider"
+#: Highest IR version onnxruntime-training 1.19.2 loads (models above it are written and run at it).
+MAX_IR_VERSION = 10
+#: Highest default-domain opset onnxruntime-training 1.19.2 has kernels for.
+MAX_OPSET = 21
+#: Element types IR 10 lacks (FLOAT4E2M1 = 23 and later, IR 11+): a model holding one cannot be lowered to IR 10.
+_FIRST_TYPE_AFTER_IR10 = 23
 #: Ops differentiable only after onnxruntime's pre-training rewrites (LSTM -> com.microsoft LSTMTraining,
 #: BatchNormalization -> BatchNormInternal in training mode): a graph holding one goes through `pretraining_rewrite`.
 REWRITTEN_OPS = frozenset({"LSTM", "BatchNormalization"})
@@ -83,6 +92,28 @@ def session(model: bytes | str | os.PathLike, provider: str, *, threads: int = 0
     source = model if isinstance(model, bytes) else str(model)
     providers: list[object] = [(provider, dict(provider_options)) if provider_options else provider]
     return ort.InferenceSession(source, options, providers=providers + ([CPU_PROVIDER] if provider != CPU_PROVIDER else []))
+
+
+def ensure_runtime_loads(model, origin: str) -> None:  # model: onnx.ModelProto
+    """Refuse, before anything is written, a model onnxruntime-training 1.19.2 cannot load: a default-domain
+    opset above MAX_OPSET, or an IR version above MAX_IR_VERSION holding element types IR 10 lacks (other
+    models above IR 10 are lowered to it, which changes nothing they use)."""
+    from onnx import helper
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset > MAX_OPSET:
+        raise OnnxpipeError(f"{origin}: opset {opset} is above what onnxruntime 1.19 loads ({MAX_OPSET}); convert it with "
+                            f"onnx.version_converter.convert_version(model, {MAX_OPSET}) or re-export at opset {MAX_OPSET}")
+    if model.ir_version <= MAX_IR_VERSION:
+        return
+    g = model.graph
+    typed = [(t.name, t.data_type) for t in g.initializer]
+    typed += [(v.name, v.type.tensor_type.elem_type) for v in (*g.input, *g.output, *g.value_info) if v.type.HasField("tensor_type")]
+    newer = next(((name, kind) for name, kind in typed if kind >= _FIRST_TYPE_AFTER_IR10), None)
+    if newer is not None:
+        raise OnnxpipeError(f"{origin}: IR version {model.ir_version} with tensor '{newer[0]}' of type "
+                            f"{helper.tensor_dtype_to_string(newer[1]).removeprefix('TensorProto.')}, which IR {MAX_IR_VERSION} "
+                            f"(the newest onnxruntime 1.19 loads) lacks; cast it to a type IR {MAX_IR_VERSION} has and re-export")
 
 
 @functools.cache

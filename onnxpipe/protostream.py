@@ -25,6 +25,7 @@ import onnx
 from google.protobuf.message import Message
 from onnx import helper
 
+from onnxpipe.ortutil import ensure_runtime_loads
 from onnxpipe.safepath import ensure_external_data_inside
 
 __all__ = ["read_model", "read_header", "weights_dir", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
@@ -91,11 +92,13 @@ def _read_record(f: BinaryIO, key: int, key_bytes: bytes) -> bytes:
 
 def read_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse a model file one record at a time, its weights over ON_DISK_BYTES left on disk as
-    external-data references (relative to the file's folder); small external tensors are read in."""
+    external-data references (relative to the file's folder); small external tensors are read in.
+    A model onnxruntime cannot load (`ortutil.ensure_runtime_loads`) is refused here."""
     path = Path(path)
     if path.resolve() != path.absolute():  # reached through a link: weights are read beside the real file
         path = path.resolve()
     model = _parse(path, weights=True)
+    ensure_runtime_loads(model, str(path))
     ensure_external_data_inside(path, model, "keep a model's external-data files in its own directory and re-save it")
     for tensor in model.graph.initializer:
         if is_external(tensor) and raw_nbytes(tensor) <= ON_DISK_BYTES:

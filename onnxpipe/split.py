@@ -31,6 +31,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path, swap_in
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
+from onnxpipe.ortutil import MAX_IR_VERSION
 from onnxpipe.protostream import inline_external_data, is_external, is_streamable, raw_nbytes, skeleton, write_model
 from onnxpipe.units import plural
 
@@ -39,15 +40,13 @@ if TYPE_CHECKING:  # the planner package pulls in the solver; splitting a given 
     from onnxpipe.plan.result import Plan
     from onnxpipe.target import Target
 
-__all__ = ["split", "cut_stages", "plan_cuts", "annotate_stages", "STAGE_METADATA_KEY", "MAX_IR_VERSION", "RECOMPUTE_POLICIES"]
+__all__ = ["split", "cut_stages", "plan_cuts", "annotate_stages", "STAGE_METADATA_KEY", "RECOMPUTE_POLICIES"]
 
 #: Activation policies for hand-given cuts: "auto" recomputes only in stages that would not fit otherwise.
 RECOMPUTE_POLICIES = ("auto", "never", "always")
 
 #: Node metadata key holding the stage index in annotated models.
 STAGE_METADATA_KEY = "onnxpipe.stage"
-#: Highest IR version onnxruntime-training 1.19.2 loads.
-MAX_IR_VERSION = 10
 #: Protobuf refuses files over 2 GiB; models above this write each stage's weights to a side file.
 _EXTERNAL_DATA_BYTES = 2**31 - 2**26
 #: Initializers above this are streamed from the source model to the stage file instead of copied.

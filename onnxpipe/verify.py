@@ -19,11 +19,10 @@ import onnx
 from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
-from onnxpipe.ortutil import cpu_session
+from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
 from onnxpipe.protostream import read_header
 from onnxpipe.quantized import is_quantized
 from onnxpipe.safepath import ensure_external_data_inside
-from onnxpipe.split import MAX_IR_VERSION
 
 __all__ = ["verify", "op_by_op", "random_feeds", "relative_error", "tolerance", "TOLERANCE"]
 
@@ -122,9 +121,11 @@ def _header(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise OnnxpipeError(f"{path}: no such file; pass the model the stages were split from")
     try:
-        return read_header(path)
+        header = read_header(path)
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); pass the model the stages were split from") from exc
+    ensure_runtime_loads(header, str(path))
+    return header
 
 
 def _original_session(path: Path, optimize: bool) -> object:

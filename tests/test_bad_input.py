@@ -301,6 +301,29 @@ def _model_weights_out(tmp: Path, base: Path) -> None:
     _external(tmp / "m" / "mlp.onnx", "../secret.bin")
 
 
+def _newer_opset(name: str, opset: int = 22) -> Callable[[Path, Path], None]:
+    """mlp.onnx claiming a default-domain opset onnxruntime 1.19 has no kernels for."""
+    def make(tmp: Path, base: Path) -> None:
+        model = onnx.load(str(base / "mlp.onnx"))
+        next(o for o in model.opset_import if o.domain in ("", "ai.onnx")).version = opset
+        onnx.save(model, str(tmp / name))
+    return make
+
+
+def _float4_ir11(tmp: Path, base: Path) -> None:
+    """An IR-11 model holding a FLOAT4E2M1 tensor: lowering it to IR 10 would write a type onnxruntime 1.19 cannot read."""
+    model = onnx.load(str(base / "mlp.onnx"))
+    model.ir_version = 11
+    model.graph.initializer.append(helper.make_tensor("scale4", TensorProto.FLOAT4E2M1, [2], [0.5, 1.0]))
+    onnx.save(model, str(tmp / "float4.onnx"))
+
+
+def _stage_newer_opset(_: dict, directory: Path) -> None:
+    model = onnx.load(str(directory / "stage_1.onnx"))
+    next(o for o in model.opset_import if o.domain in ("", "ai.onnx")).version = 22
+    onnx.save(model, str(directory / "stage_1.onnx"))
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -312,7 +335,22 @@ class Case:
     kept: tuple[str, ...] = ()
 
 
+_OPSET_22 = r"opset 22 is above what onnxruntime 1\.19 loads \(21\); convert it with onnx\.version_converter\.convert_version\(model, 21\)"
+
 CASES = [
+    Case("opset-above-runtime-split", _newer_opset("new.onnx"), ("split", "new.onnx", "-t", "fpga4", "-o", "out"), r"new\.onnx: " + _OPSET_22, ("out",)),
+    Case("opset-above-runtime-plan", _newer_opset("new.onnx"), ("plan", "new.onnx", "-t", "fpga4", "-o", "p.json"), _OPSET_22, ("p.json",)),
+    Case("opset-above-runtime-annotate", _newer_opset("new.onnx"), ("annotate", "new.onnx", "-o", "a.onnx"), _OPSET_22, ("a.onnx",)),
+    Case("opset-above-runtime-train", _newer_opset("new.onnx"), ("train", "new.onnx", "--steps", "1", "--json", "t.json"), _OPSET_22, ("t.json",)),
+    Case("opset-above-runtime-verify", both(copy("stages"), _newer_opset("new.onnx")), ("verify", "stages", "new.onnx"), _OPSET_22),
+    Case("opset-above-runtime-stage", edited_stages(_stage_newer_opset), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
+         r"stage_1\.onnx: " + _OPSET_22, ("o.npz",)),
+    Case("ir-11-type-ir-10-lacks", _float4_ir11, ("split", "float4.onnx", "-t", "fpga4", "-o", "out"),
+         r"float4\.onnx: IR version 11 with tensor 'scale4' of type FLOAT4E2M1, which IR 10 .* lacks; cast it", ("out",)),
+    Case("profile-needs-more-memory-than-the-host", copy("symbolic.onnx"),
+         ("split", "symbolic.onnx", "-t", "cpu2", "--dim", "batch=1000000000000", "-o", "out"),
+         r"profiling symbolic\.onnx on this machine needs [\d.]+ TiB .* but [\d.]+ [GMT]iB are available: dim 'batch' = 1000000000000 .*--dim batch=.*--batch",
+         ("out",)),
     Case("not-a-file", write("dir/placeholder", ""), ("plan", "dir", "-t", "fpga4"), r"dir: not a file; pass the path of an \.onnx model"),
     Case("missing-file", lambda t, b: None, ("annotate", "nowhere.onnx"), r"nowhere\.onnx: no such file"),
     Case("not-onnx", write("text.onnx", "hello, not a model\n"), ("split", "text.onnx", "-t", "fpga4", "-o", "out"),

@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.cost import annotate, read_annotated, summarize, write_annotated
+from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
 
 F = TensorProto.FLOAT
@@ -404,3 +405,20 @@ def test_every_weight_counts_at_its_real_bytes() -> None:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 128])], inits)
     costs = annotate(load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)))
     assert {name: c.param_bytes for name, c in costs.nodes.items()} == {"mm": 256 * 256, "mm2": 256 * 128 * 4}
+
+
+def test_profiling_refuses_a_model_larger_than_memory_before_allocating() -> None:
+    """The bytes a profile run needs (inputs, weights, every activation) are checked against the memory given:
+    a run that fits passes, one that does not names the bound dim that sets it and the ways out."""
+    from onnxpipe.cost_profile import ensure_fits_in_memory
+
+    vi = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.ones((16, 16), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "g",
+                              [vi("x", TensorProto.FLOAT, ["batch", 16])], [vi("y", TensorProto.FLOAT, ["batch", 16])], [w])
+    g = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), {"batch": 1000})
+    needed = 3 * 1000 * 16 * 4 + 16 * 16 * 4  # x, h, y and the weight
+    ensure_fits_in_memory(g, needed)
+    with pytest.raises(OnnxpipeError, match=r"needs 188 KiB \(inputs 62.5 KiB, weights 1 KiB, activations 125 KiB\) but 94.\d KiB are available: "
+                                            r"dim 'batch' = 1000 sets most of it; bind a smaller one with --dim batch=N or a smaller --batch"):
+        ensure_fits_in_memory(g, needed // 2)
