@@ -243,9 +243,12 @@ def _html(plan: Plan, sim: Simulation, pngs: dict[str, bytes], measured: Sequenc
         for name, title in (("gantt", "Schedule" + (" (simulated and measured)" if measured else "")), ("memory", "Memory"), ("model", "Model by stage"))
         if name in pngs
     )
+    inference = plan.mode == "inference"
     summary = (
-        f"{plural(len(plan.stages), 'stage')}, {plan.schedule}, {plural(sim.microbatches, 'micro-batch')} of a batch of {plan.batch}; "
-        f"iteration {format_seconds(sim.iteration_seconds)}, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%}; "
+        f"{plural(len(plan.stages), 'stage')}, {'inference (forward only)' if inference else plan.schedule}, "
+        f"{plural(sim.microbatches, 'micro-batch')} of a batch of {plan.batch}; "
+        f"iteration {format_seconds(sim.iteration_seconds)}, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%}"
+        + (f", latency {format_seconds(sim.latency_seconds)} per micro-batch; " if inference else "; ") +
         f"planner bound {format_seconds(plan.lower_bound_seconds)} per micro-batch at the bottleneck, solver {plan.solver.status}"
     )
     return f"""<!DOCTYPE html>

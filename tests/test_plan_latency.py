@@ -34,14 +34,19 @@ def free(model: tuple) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def one_stage(model: tuple) -> Plan:
-    """One stage on the faster device group: less latency than the free plan, which also takes the slower devices."""
-    return plan(*model, stages=1, **_OPTIONS)  # type: ignore[arg-type]
+def least(model: tuple) -> float:
+    """The least latency the planner finds, as its error names it for a bound nothing keeps."""
+    with pytest.raises(OnnxpipeError) as caught:
+        plan(*model, max_latency=1e-9, **_OPTIONS)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert "\n" not in message and "raise --max-latency to at least" in message
+    return float(re.search(r"the least latency among the \d+ plans priced that fit is ([0-9.e+-]+) ms", message).group(1)) / 1e3
 
 
-def test_the_bound_trades_throughput_for_latency(model: tuple, free: Plan, one_stage: Plan) -> None:
-    assert one_stage.latency_seconds < free.latency_seconds
-    bound = (one_stage.latency_seconds + free.latency_seconds) / 2
+def test_the_bound_trades_throughput_for_latency(model: tuple, free: Plan, least: float) -> None:
+    # One stage on the faster device group has less latency than the free plan, which also takes the slower devices.
+    assert least < free.latency_seconds
+    bound = (least + free.latency_seconds) / 2
     bounded = plan(*model, max_latency=bound, **_OPTIONS)  # type: ignore[arg-type]
     assert bounded.latency_seconds <= bound
     assert bounded.iteration_seconds >= free.iteration_seconds * (1 - 1e-9)  # a bound never buys throughput
@@ -59,28 +64,23 @@ def test_a_bound_the_free_plan_keeps_changes_nothing(model: tuple, free: Plan) -
     assert again.iteration_seconds == pytest.approx(free.iteration_seconds, rel=1e-9)
 
 
-def test_exploration_keeps_the_bound(model: tuple, one_stage: Plan, free: Plan) -> None:
-    bound = (one_stage.latency_seconds + free.latency_seconds) / 2
+def test_exploration_keeps_the_bound(model: tuple, least: float, free: Plan) -> None:
+    bound = (least + free.latency_seconds) / 2
     explored = plan(*model, max_latency=bound, **{**_OPTIONS, "microbatches": "auto"})  # type: ignore[arg-type]
     assert explored.latency_seconds <= bound
     assert all(c.latency_seconds <= bound for c in explored.explored if c.feasible)
 
 
-def test_an_unreachable_bound_names_the_least_latency_found(model: tuple) -> None:
-    with pytest.raises(OnnxpipeError) as caught:
-        plan(*model, max_latency=1e-9, **_OPTIONS)  # type: ignore[arg-type]
-    message = str(caught.value)
-    assert "\n" not in message and "raise --max-latency to at least" in message
-    least = float(re.search(r"the least latency among the \d+ plans priced that fit is ([0-9.e+-]+) ms", message).group(1)) / 1e3
+def test_an_unreachable_bound_names_the_least_latency_found(model: tuple, least: float) -> None:
     # The latency it names is reachable: a bound just above it plans.
     reached = plan(*model, max_latency=least * 1.001, **_OPTIONS)  # type: ignore[arg-type]
     assert reached.latency_seconds <= least * 1.001
 
 
-def test_a_bound_at_a_fixed_stage_count(model: tuple, one_stage: Plan) -> None:
+def test_a_bound_at_a_fixed_stage_count(model: tuple, least: float) -> None:
     two = plan(*model, stages=2, **_OPTIONS)  # type: ignore[arg-type]
-    bound = (one_stage.latency_seconds + two.latency_seconds) / 2
-    assert one_stage.latency_seconds < bound < two.latency_seconds
+    bound = (least + two.latency_seconds) / 2
+    assert least < bound < two.latency_seconds
     bounded = plan(*model, stages=2, max_latency=bound, **_OPTIONS)  # type: ignore[arg-type]
     assert len(bounded.stages) == 2 and bounded.latency_seconds <= bound
     assert bounded.iteration_seconds >= two.iteration_seconds * (1 - 1e-9)

@@ -105,8 +105,9 @@ def solve(
     if result.layout is not None:
         found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
     report("comparing against baselines")
-    # The baselines exactly as `compare` reports them, so the plan is never worse than any of them.
-    found.extend(p for name, p in baselines(problem, stages, recompute, replicas, bounds=bounds).items() if name != "data-parallel")
+    # The baselines of `stages` stages exactly as `compare` reports them, so the plan is never worse than any of them
+    # (data parallelism is one stage on every device: at one stage it counts, across device groups too).
+    found.extend(p for p in baselines(problem, stages, recompute, replicas, bounds=bounds).values() if len(p.stages) == stages)
     found.extend(also)
     start = _choose(problem, found)
     if coarsened and start is not None:

@@ -1,0 +1,262 @@
+"""Inference pipelines, predicted and measured.
+
+Predicted (`--part predicted`): ResNet-50 and BERT-base from the zoo at their real sizes, fp32 and int8 QDQ
+(`onnxruntime.quantization.quantize_static` here: int8 weights and activations, calibrated on random inputs),
+planned with `--mode inference` on fpga4, gpu4 and hetero at k = 1, 2, 4 stages: the plan's predicted throughput
+and latency against the uniform and PipeDream-DP baselines priced by the same cost model in the same mode.
+Goals: never worse than a baseline of k stages; int8 on fpga4 at least 5x the fp32 throughput for ResNet-50.
+
+Measured (`--part measured`): tiny zoo models split in inference mode on cpu2 (2 stages) and cpu4 (4 stages),
+streamed by `onnxpipe run DIR --repeat N --json` in its own process against `onnxpipe simulate` of the saved
+plan. Goal: simulated throughput within 15% of the measured. Times real runs: run it alone, e.g.
+    flock -x -w 1200 /tmp/onnxpipe-quiet.lock .venv/bin/python tools/bench_inference.py --part measured
+Each part prints its table and rewrites its own section of docs/benchmarks.md.
+Run: .venv/bin/python tools/bench_inference.py --part predicted|measured [--time-limit S] [--repeat N] [--models a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from onnxpipe import models
+from onnxpipe.cost import annotate
+from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import load
+from onnxpipe.plan import compare, fits, plan, plan_model
+from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
+from onnxpipe.split import split
+from onnxpipe.target import load_target
+from bench_sim import KNOBS as TRAINING_KNOBS
+from bench_sim import train_with_background
+from benchdoc import write_section
+
+NAME = Path(__file__).stem
+#: Real-size zoo models; a micro-batch of 8 samples (at 1, the fixed per-node cost of ResNet-50 int8's ~250
+#: activation Q/DQ nodes is most of its time on an FPGA), 8 micro-batches.
+BIG = ("resnet50", "bert")
+MICROBATCH = 8
+MICROBATCHES = 8
+TARGETS = ("fpga4", "gpu4", "hetero")
+STAGES = (1, 2, 4)
+#: The baselines shown (every baseline of k stages counts for the "never worse" goal).
+SHOWN = {"uniform": "uniform-layers", "PipeDream-DP": "pipedream"}
+#: Tiny models for the measured part, at bench_sim's sizes (stage compute of milliseconds); stages and micro-batches per target.
+TINY = ("mlp", "resnet-tiny", "bert-tiny", "gpt2-tiny")
+SHAPES = {"cpu2": (2, 8), "cpu4": (4, 8)}
+GOAL = 0.15
+
+
+class _Random:
+    """Calibration inputs for quantize_static: `count` random feeds of the model's inputs (ids below 100)."""
+
+    def __init__(self, model: onnx.ModelProto, count: int = 2) -> None:
+        rng = np.random.default_rng(0)
+        self._feeds = iter([_feed(model, rng) for _ in range(count)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._feeds, None)
+
+
+def _feed(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feed = {}
+    for value in model.graph.input:
+        t = value.type.tensor_type
+        shape = [d.dim_value or 1 for d in t.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        feed[value.name] = rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating) else rng.integers(0, 100, shape).astype(dtype)
+    return feed
+
+
+def build_pair(name: str, work: Path) -> dict[str, Path]:
+    """The zoo model at a micro-batch of MICROBATCH (fp32) and its quantize_static QDQ int8 copy."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    fp32, int8 = work / f"{name}.onnx", work / f"{name}-int8.onnx"
+    model = models.build(name, batch=MICROBATCH)
+    models.save(model, fp32)
+    quantize_static(str(fp32), str(int8), _Random(model), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8)
+    return {"fp32": fp32, "int8": int8}
+
+
+def predicted(names: tuple[str, ...], time_limit: float) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-inference-") as tmp:
+        for name in names:
+            for precision, path in build_pair(name, Path(tmp)).items():
+                graph = load(path)
+                costs = annotate(graph)
+                for target_name in TARGETS:
+                    target = load_target(target_name)
+                    for k in STAGES:
+                        started = time.perf_counter()
+                        ours = plan(graph, costs, target, stages=k, microbatches=MICROBATCHES, mode="inference", time_limit=time_limit)
+                        seconds = time.perf_counter() - started
+                        others = {n: p for n, p in compare(graph, costs, target, ours).items() if len(p.stages) == k and fits(p)}
+                        best = min(others.values(), key=lambda p: p.iteration_seconds, default=None)
+                        rows.append({
+                            "model": name, "precision": precision, "target": target_name, "k": k, "nodes": len(graph.compute_nodes),
+                            "ours": _figures(ours), "shape": "+".join(str(len(s.devices)) for s in ours.stages),
+                            "baselines": {shown: _figures(others[n]) if n in others else None for shown, n in SHOWN.items()},
+                            "best_baseline": (min(others, key=lambda n: others[n].iteration_seconds), _figures(best)) if best else None,
+                            "plan_seconds": seconds, "notes": len(ours.notes),
+                        })
+                        print(rows[-1], flush=True)
+    return rows
+
+
+def _figures(p: object) -> dict[str, float]:
+    return {"samples_per_s": p.batch / p.iteration_seconds, "latency": p.latency_seconds}  # type: ignore[attr-defined]
+
+
+def predicted_section(rows: list[dict], time_limit: float) -> str:
+    lines = [
+        "## Inference pipelines: onnxpipe against uniform and PipeDream-DP (predicted)",
+        "",
+        f"Regenerate: `.venv/bin/python tools/{NAME}.py --part predicted --time-limit {time_limit:g}`. Zoo models at real size with a "
+        f"micro-batch of {MICROBATCH} samples, {MICROBATCHES} micro-batches per pass (batch {MICROBATCH * MICROBATCHES}); int8 = "
+        "`onnxruntime.quantization.quantize_static` (QDQ, int8 weights and activations, calibrated on 2 random inputs). Each row: "
+        "`plan(..., stages=k, mode=\"inference\")` and every baseline of k stages that fits (`plan --compare`: uniform-nodes, "
+        "uniform-layers, parameters, PipeDream's DP; data parallelism at k = 1), all priced by the same cost model, forward only. "
+        "Throughput = batch / predicted pass time (samples/s); latency = one micro-batch through the pipeline (ms). "
+        "Shape = replicas per stage. Uniform = equal layer counts (GPipe / DeepSpeed), PipeDream-DP = PipeDream's dynamic program.",
+        "",
+        "| model | precision | target | k | onnxpipe samples/s | latency ms | shape | uniform samples/s | latency ms | PipeDream-DP samples/s | latency ms | vs best baseline |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def cell(f: dict | None) -> str:
+        return f"{f['samples_per_s']:.4g} | {f['latency'] * 1e3:.3f}" if f else "- | -"
+
+    worse = []
+    for r in rows:
+        versus = "-"
+        if r["best_baseline"]:
+            name, best = r["best_baseline"]
+            ratio = r["ours"]["samples_per_s"] / best["samples_per_s"]
+            versus = f"{ratio:.2f}x ({name})"
+            if ratio < 1 - 1e-9:
+                worse.append(f"{r['model']} {r['precision']} {r['target']} k={r['k']}")
+        lines.append(f"| {r['model']} | {r['precision']} | {r['target']} | {r['k']} | {cell(r['ours'])} | {r['shape']} | "
+                     f"{cell(r['baselines']['uniform'])} | {cell(r['baselines']['PipeDream-DP'])} | {versus} |")
+    lines += ["", f"- never worse than a baseline of k stages: **{'holds' if not worse else 'missed'}** "
+                  f"({len(rows) - len(worse)} of {len(rows)} rows{'; worse: ' + ', '.join(worse) if worse else ''})"]
+    ratios = []
+    for r in rows:
+        if r["model"] == "resnet50" and r["target"] == "fpga4" and r["precision"] == "int8":
+            fp32 = next(x for x in rows if x["model"] == "resnet50" and x["target"] == "fpga4" and x["precision"] == "fp32" and x["k"] == r["k"])
+            ratios.append((r["k"], r["ours"]["samples_per_s"] / fp32["ours"]["samples_per_s"]))
+    if ratios:
+        ok = all(x >= 5 for _, x in ratios)
+        lines.append(f"- ResNet-50 int8 on fpga4 at least 5x fp32 throughput: **{'holds' if ok else 'missed'}** ("
+                     + ", ".join(f"k={k}: {x:.2f}x" for k, x in ratios) + ")")
+    plan_times = [r["plan_seconds"] for r in rows]
+    lines.append(f"- planning took {min(plan_times):.1f}-{max(plan_times):.1f} s per row (graphs of "
+                 + ", ".join(sorted({f"{r['model']} {r['precision']} {r['nodes']}" for r in rows})) + " compute nodes)")
+    return "\n".join(lines)
+
+
+def measure(name: str, target: str, repeat: int, work: Path) -> dict:
+    """Plan (profiled node costs) and split in inference mode; stream the directory with `onnxpipe run` in its own
+    process; simulate the saved plan (also with the measured background sharing the cores)."""
+    k, m = SHAPES[target]
+    path = work / f"{name}.onnx"
+    if not path.exists():
+        knobs = {key: v for key, v in TRAINING_KNOBS.get(name, {}).items() if key != "train"}
+        onnx.save(models.build(name, **knobs), str(path))
+    graph, _, _, made = plan_model(path, target, stages=k, microbatches=m, mode="inference", time_limit=5.0)
+    stages = work / f"{name}-{target}"
+    split(graph, made, stages, force=True)
+    rng = np.random.default_rng(0)
+    manifest_inputs = json.loads((stages / "manifest.json").read_text())["inputs"]
+    feeds = {}
+    for spec in manifest_inputs:
+        shape = [d * (m if i == 0 else 1) for i, d in enumerate(spec["shape"])]
+        dtype = np.dtype(spec["dtype"])
+        feeds[spec["name"]] = rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating) else rng.integers(0, 32, shape).astype(dtype)
+    np.savez(work / "in.npz", **feeds)
+    out = stages.with_suffix(".json")
+    load_before = os.getloadavg()[0]
+    run, others = train_with_background([sys.executable, "-m", "onnxpipe", "run", str(stages), "--inputs", str(work / "in.npz"), "-o",
+                                         str(work / "out.npz"), "--microbatches", str(m), "--repeat", str(repeat), "--json", str(out)])
+    if run.returncode != 0:
+        raise OnnxpipeError(run.stdout.strip().splitlines()[-1])
+    measured = json.loads(out.read_text())
+    saved = read_plan(stages)
+    tgt = plan_target(saved, target)
+    quiet = simulate_plan(saved, tgt)
+    loaded = simulate_plan(saved, tgt, background=others)
+    return {
+        "case": f"{name} {target} k={k} m={m}", "load": (load_before + os.getloadavg()[0]) / 2, "background": others,
+        "measured": measured["samples_per_s"], "quiet": quiet.samples_per_s, "simulated": loaded.samples_per_s,
+        "error_quiet": quiet.samples_per_s / measured["samples_per_s"] - 1, "error": loaded.samples_per_s / measured["samples_per_s"] - 1,
+        "latency_measured": measured["latency_seconds"], "latency_quiet": quiet.latency_seconds, "latency_simulated": loaded.latency_seconds,
+    }
+
+
+def measured_section(rows: list[dict], failures: list[str], repeat: int, names: tuple[str, ...]) -> str:
+    lines = [
+        "## Inference pipelines: simulated against measured throughput (cpu targets)",
+        "",
+        f"Regenerate (alone on the machine): `flock -x /tmp/onnxpipe-quiet.lock .venv/bin/python tools/{NAME}.py --part measured --repeat {repeat}` "
+        f"({os.cpu_count()} vCPUs). Each case: plan in inference mode with profiled node costs, split, then `onnxpipe run DIR --repeat {repeat} "
+        "--json` in its own process (worker processes, shared-memory transport; figures are medians of the passes after a warm-up; a pass "
+        "is the driver's wall time for it) against `onnxpipe simulate` of the saved plan. Models at bench_sim's sizes (forward only): "
+        + ", ".join(names) + ". Error = simulated / measured - 1 of samples/s; goal |error| <= 15%. Background = runnable processes of "
+        "other work while it ran (sampled every 50 ms); simulated quiet: the target alone, simulated: with that background on the cores.",
+        "",
+        "| case | load | background | measured samples/s | simulated quiet | error quiet | simulated | error | latency measured ms | simulated quiet | simulated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['load']:.1f} | {r['background']:.1f} | {r['measured']:.4g} | {r['quiet']:.4g} | {r['error_quiet']:+.1%} | "
+                     f"{r['simulated']:.4g} | {r['error']:+.1%} | {r['latency_measured'] * 1e3:.3f} | {r['latency_quiet'] * 1e3:.3f} | {r['latency_simulated'] * 1e3:.3f} |")
+    within = sum(abs(r["error"]) <= GOAL for r in rows)
+    lines += ["", f"- within 15%: **{within} of {len(rows)}** (with the measured background), "
+                  f"{sum(abs(r['error_quiet']) <= GOAL for r in rows)} of {len(rows)} simulated as on a quiet machine"
+                  + (f"; median error {statistics.median(r['error'] for r in rows):+.1%}" if rows else "")]
+    lines += [f"- not run: {f}" for f in failures]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=("predicted", "measured"), required=True)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per plan (predicted part)")
+    parser.add_argument("--repeat", type=int, default=20, help="passes per run (measured part; the first is a warm-up)")
+    parser.add_argument("--models", default=None, help="comma-separated zoo models (default: the part's own)")
+    parser.add_argument("--targets", default=",".join(SHAPES), help="cpu targets of the measured part")
+    args = parser.parse_args()
+    if args.part == "predicted":
+        names = tuple(args.models.split(",")) if args.models else BIG
+        section = predicted_section(predicted(names, args.time_limit), args.time_limit)
+        write_section(f"{NAME}-predicted", section)
+    else:
+        names = tuple(args.models.split(",")) if args.models else TINY
+        rows, failures = [], []
+        with tempfile.TemporaryDirectory(prefix="bench-inference-") as tmp:
+            for name in names:
+                for target in args.targets.split(","):
+                    try:
+                        rows.append(measure(name, target, args.repeat, Path(tmp)))
+                        print(rows[-1], flush=True)
+                    except OnnxpipeError as exc:
+                        failures.append(f"{name} {target}: {exc}")
+                        print(failures[-1], flush=True)
+        section = measured_section(rows, failures, args.repeat, names)
+        write_section(f"{NAME}-measured", section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
