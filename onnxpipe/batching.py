@@ -2,10 +2,12 @@
 
 `--batch B` is the global batch of one iteration, `--microbatches M` how many micro-batches it is cut
 into, so a symbolic leading (batch) dim is bound to B / M, unless `--dim NAME=V` binds it. A model
-whose leading dim is fixed takes B = M x that dim. split, plan, train (and its --check), and the
-stage directories they write all bind the same way; `BatchBinding.describe` says how, in one line.
+whose leading dim is fixed takes B = M x that dim. split, plan, train (and its --check) bind a model
+so (`bind_batch`); simulate re-binds a plan's batch the same way (`plan_binding`); a stage directory
+(train DIR, run, verify) is bound by its files' shapes, which `--dim` can only confirm (`stage_binding`).
+`BatchBinding.describe` says how, in one line, the same for every command.
 
-Reading order: `BatchBinding` -> `bind_batch` -> `stage_dims`.
+Reading order: `BatchBinding` -> `bind_batch` -> `plan_binding` -> `stage_binding` -> `stage_dims`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from onnxpipe.ortutil import ensure_runtime_loads
 from onnxpipe.protostream import read_header
 from onnxpipe.units import plural
 
-__all__ = ["BatchBinding", "bind_batch", "stage_dims", "model_inputs"]
+__all__ = ["BatchBinding", "bind_batch", "plan_binding", "stage_binding", "stage_dims", "model_inputs"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,14 @@ class BatchBinding:
     symbol: str | None = None
     #: True when `--dim` bound it rather than `--batch / --microbatches`.
     from_dim: bool = False
+    #: Where the micro-batch came from when no flag bound a symbolic dim ("the stage files' batch", "the plan's batch").
+    origin: str = ""
 
     def describe(self, batch: int, microbatches: int) -> str:
         """'batch 8 per iteration = 4 micro-batches of 2 (symbolic dim 'batch' bound to 2 by --batch / --microbatches ...)'."""
-        if self.symbol is not None:
+        if self.origin:
+            source = self.origin
+        elif self.symbol is not None:
             how = f"--dim {self.symbol}" if self.from_dim else "--batch / --microbatches (--dim overrides)"
             source = f"symbolic dim '{self.symbol}' bound to {batch // microbatches} by {how}"
         else:
@@ -111,6 +117,62 @@ def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, i
         raise OnnxpipeError(f"--batch {batch} with {plural(m, 'micro-batch')} needs micro-batches of {batch / m:g}, but the model's batch is fixed at {fixed}: "
                             f"pass --batch {fixed * m}, or re-export the model with a symbolic batch dim")
     return BatchBinding(dims, fixed, m, None, False)
+
+
+def plan_binding(source: str | os.PathLike | onnx.ModelProto | None, plan_dims: Mapping[str, int], plan_batch: int, plan_microbatches: int,
+                 dims: Mapping[str, int] | None, batch: int | None, microbatches: int | None) -> tuple[BatchBinding, int, int]:
+    """A plan's batch, re-bound by the flags as `bind_batch` binds a model: `--dim BATCH_DIM=V` is the
+    micro-batch, `--batch` the global batch, `--microbatches` the count (each defaulting to the plan's).
+    `source`: the plan's model, read for the name of its symbolic batch dim (None when it cannot be found:
+    a `--dim` must then name a dim the plan recorded at its micro-batch). Returns (binding, batch, micro-batches)."""
+    dims = dict(dims or {})
+    m = microbatches or plan_microbatches
+    if batch is not None and batch < 1:
+        raise OnnxpipeError(f"--batch {batch}: must be at least 1")
+    symbol = _leading(model_inputs(source))[1] if source is not None else None
+    if symbol is None and source is None:  # the model is not at hand: the recorded dim at the plan's micro-batch
+        at_micro = [k for k, v in plan_dims.items() if v == plan_batch // plan_microbatches]
+        symbol = at_micro[0] if len(at_micro) == 1 else None
+    other = next((k for k in dims if k != symbol), None)
+    if other is not None:
+        known = f"its batch dim is '{symbol}'" if symbol else "its model has no symbolic batch dim"
+        raise OnnxpipeError(f"--dim {other}: a plan's costs are re-priced for another batch only ({known}); "
+                            f"re-plan the model with --dim {other}={dims[other]} for other shapes")
+    if symbol is not None and symbol in dims:
+        micro = dims[symbol]
+        total = batch if batch is not None else micro * m
+        if total != micro * m:
+            raise OnnxpipeError(f"--batch {total} is not {plural(m, 'micro-batch')} of --dim {symbol}={micro}; pass --batch {micro * m} or drop --dim {symbol}")
+        return BatchBinding({**plan_dims, symbol: micro}, micro, m, symbol, True), total, m
+    total = batch if batch is not None else plan_batch
+    if total % m:
+        raise OnnxpipeError(f"--batch {total} does not split into {plural(m, 'micro-batch')}; pick a --batch that --microbatches divides")
+    if (total, m) == (plan_batch, plan_microbatches):
+        origin = "the plan's batch"
+    elif symbol is None:  # a fixed (or unknown) batch dim: the simulator scales the plan's costs, the model would refuse it
+        origin = f"the plan's micro-batches of {plan_batch // plan_microbatches} with costs scaled: the model itself takes only those"
+    else:
+        origin = ""
+    bound = {**plan_dims, symbol: total // m} if symbol is not None else dict(plan_dims)
+    return BatchBinding(bound, total // m, m, symbol, False, origin), total, m
+
+
+def stage_binding(source: str | os.PathLike | onnx.ModelProto | None, shapes: Mapping[str, Sequence[int]], dims: Mapping[str, int] | None,
+                  recorded: Mapping[str, int] | None = None) -> BatchBinding:
+    """A stage directory's binding: its files' shapes (`shapes`: model input name -> shape) fix every dim,
+    read off the model (`source`) or, without it, as the directory's plan recorded them (`recorded`).
+    `dims` (the user's `--dim`s) can only confirm them: re-binding needs another split."""
+    bound = stage_dims(source, shapes) if source is not None else dict(recorded or {})
+    for name, value in (dims or {}).items():
+        if name in bound and bound[name] != value:
+            raise OnnxpipeError(f"--dim {name}={value}: the stages were split with {name}={bound[name]}; "
+                                f"pass --dim {name}={bound[name]}, or split again with --dim {name}={value}")
+        if name not in bound:
+            have = ", ".join(f"{k}={v}" for k, v in bound.items()) or "none"
+            raise OnnxpipeError(f"--dim {name}: the stages have no symbolic dim of that name (bound: {have})")
+    first = next(iter(shapes.values()), ())
+    symbol = _leading(model_inputs(source))[1] if source is not None else None
+    return BatchBinding(bound, int(first[0]) if len(first) else None, None, symbol, False, "the stage files' batch")
 
 
 def stage_dims(source: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:

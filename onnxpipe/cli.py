@@ -146,6 +146,24 @@ def print_batch(binding: Any, batch: int, microbatches: int) -> None:
     console.print(escape(binding.describe(batch, microbatches)), highlight=False)
 
 
+def directory_binding(directory: str, dims: dict[str, int]) -> Any:
+    """A stage directory's batch binding (`batching.stage_binding`): its files' shapes, `--dim`s checked
+    against the dims its plan recorded."""
+    from onnxpipe.batching import stage_binding
+    from onnxpipe.manifest import Manifest
+    from onnxpipe.plan.result import Plan
+
+    manifest = Manifest.read(directory)
+    plan_path = Path(directory) / "plan.json"
+    recorded = Plan.read(plan_path).dims if plan_path.is_file() else {}
+    return stage_binding(None, {i.name: i.shape for i in manifest.inputs}, dims, recorded)
+
+
+def _readable(path: str) -> str | None:
+    """A plan's model when it is where the plan records it (its header names the batch dim), else None."""
+    return path if os.path.isfile(path) else None
+
+
 def print_shared(shared: Any) -> None:
     """What loading decided about weights read by several nodes (nothing when there are none)."""
     from onnxpipe.initializers import describe
@@ -479,7 +497,7 @@ def verify(
     model: str = typer.Argument(..., help="The unsplit .onnx model."),
     samples: int = typer.Option(2, "--samples", help="Random input sets to compare on."),
     seed: int = typer.Option(0, "--seed", help="Random seed of the inputs."),
-    dim: list[str] = typer.Option(None, "--dim", help="The dims the stages were split with, NAME=VALUE."),
+    dim: list[str] = typer.Option(None, "--dim", help="NAME=VALUE: a dim the stages were split with (their files' shapes bind every dim; a value they do not have is refused)."),
     rtol: float = typer.Option(None, "--rtol", help="Relative error accepted per output (default by dtype: 1e-5 for float32/64, 1e-2 float16, 5e-2 bfloat16, exact for integers)."),
     atol: float = typer.Option(0.0, "--atol", help="Absolute difference that counts as none."),
 ) -> None:
@@ -487,13 +505,14 @@ def verify(
     from rich.table import Table
 
     from onnxpipe.manifest import Manifest
-    from onnxpipe.verify import op_by_op, tolerance
+    from onnxpipe.verify import op_by_op, stage_batch, tolerance
     from onnxpipe.verify import verify as verify_stages
 
     ensure_counts(samples=(samples, 1))
     ensure_finite("--rtol", rtol, positive=False)
     ensure_finite("--atol", atol, positive=False)
     errors = verify_stages(directory, model, dims=parse_dims(dim), samples=samples, seed=seed, atol=atol)
+    print_batch(*stage_batch(directory, model, parse_dims(dim)))
     limits = {o.name: tolerance(o.dtype, rtol) for o in Manifest.read(directory).outputs}
     table = Table(title=f"chained stages vs {escape(model)} ({plural(samples, 'random input set')})")
     for column in ("output", "max relative error", "accepted", ""):
@@ -520,27 +539,27 @@ def run(
     directory: str = typer.Argument(..., help="Stage directory written by `onnxpipe split`."),
     inputs: str = typer.Option(..., "--inputs", help="An .npz with one array per model input."),
     output: str = typer.Option(..., "-o", "--output", help="The .npz to write, one array per model output."),
-    microbatches: int = typer.Option(1, "--microbatches", help="Cut the inputs along axis 0 into this many micro-batches and pipeline them."),
+    microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches the inputs hold along axis 0 (default: their batch / the stage files' micro-batch)."),
+    dim: list[str] = typer.Option(None, "--dim", help="NAME=VALUE: a dim the stages were split with (their files' shapes bind every dim; a value they do not have is refused)."),
     repeat: int = typer.Option(1, "--repeat", help="Stream the micro-batches through this many times; above 1 the first pass is a warm-up and the figures are medians of the rest."),
     json_path: str = typer.Option(None, "--json", help="Write the measured figures and timeline as JSON (the keys `simulate --json` uses)."),
 ) -> None:
     """Run a stage directory as an inference pipeline on onnxruntime: one worker process per stage, the
     micro-batches streamed through the stages; prints the measured throughput and latency."""
-    import numpy as np
-
     from onnxpipe.chain import write_npz
     from onnxpipe.feeds import read_npz
     from onnxpipe.fileio import write_json
-    from onnxpipe.train.infer import stream
+    from onnxpipe.manifest import Manifest
+    from onnxpipe.train.infer import feed_microbatches, stream
 
     ensure_counts(microbatches=(microbatches, 1), repeat=(repeat, 1))
+    binding = directory_binding(directory, parse_dims(dim))
     feeds = read_npz(inputs)
-    streamed = stream(directory, feeds, microbatches=microbatches, repeat=repeat)
+    count = microbatches or feed_microbatches(Manifest.read(directory), feeds)
+    streamed = stream(directory, feeds, microbatches=count, repeat=repeat)
     outputs, m = streamed.outputs, streamed.metrics
-    rows = next((len(v) for v in feeds.values() if np.ndim(v)), 0)
-    console.print(f"batch {rows} = {microbatches} micro-batch{'es' if microbatches != 1 else ''} of {rows // microbatches} "
-                  "(the stage files' batch)", highlight=False)
-    over = f" (median of {repeat - 1} passes after a warm-up)" if repeat > 1 else " (one pass, warm-up included: --repeat 3 for steady figures)"
+    print_batch(binding, (binding.microbatch or 1) * count, count)
+    over = f" (median of {plural(repeat - 1, 'pass')} after a warm-up)" if repeat > 1 else " (one pass, warm-up included: --repeat 3 for steady figures)"
     console.print(f"measured: {m['samples_per_s']:.4g} samples/s, pass {m['iteration_seconds'] * 1e3:.3f} ms, latency "
                   f"{m['latency_seconds'] * 1e3:.3f} ms per micro-batch (first stage in to last stage out), bubble {m['bubble_fraction']:.1%}{over}",
                   highlight=False, soft_wrap=True)
@@ -727,16 +746,14 @@ def train(
     if checkpoint_dir:
         ensure_checkpoint_dir(checkpoint_dir)  # before any worker starts
     opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
+    from_files = directory_binding(model, parse_dims(dim)) if Path(model).is_dir() else None  # --dim checked before any worker starts
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),
                   shapes_by_running=shapes_by_running, backend=backend, address=address, device=device) as pipe:
         print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
-        if pipe.binding is not None:
-            print_batch(pipe.binding, pipe.batch, microbatches)
-        else:
-            console.print(f"batch {pipe.batch} per iteration = {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches} (the stage files' batch)", highlight=False)
+        print_batch(pipe.binding or from_files, pipe.batch, microbatches)
         source = data_source(pipe, data, seed)
         workers = f" on {plural(len(pipe.places), 'worker')}" if len(pipe.places) != pipe.stages else ""
         console.print(f"training {plural(pipe.stages, 'stage')}{workers} ({schedule}, {plural(microbatches, 'micro-batch')}, batch {pipe.batch}) on {escape(pipe.target)}", highlight=False)
@@ -783,23 +800,28 @@ def simulate_command(
     plan_path: str = typer.Argument(..., metavar="PLAN|DIR", help="A plan JSON or a stage directory (holding plan.json)."),
     target: str = typer.Option(None, "--target", "-t", help="Target name or .toml (default: the plan's)."),
     schedule: str = typer.Option(None, "--schedule", help="Simulate another schedule: gpipe, 1f1b, zb-h1, or interleaved / zb-v with each device running the stages the schedule places on it (default: the plan's)."),
-    microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches for the same global batch (default: the plan's)."),
+    batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the plan's); per-micro-batch costs scale with the micro-batch."),
+    microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches per iteration (default: the plan's)."),
+    dim: list[str] = typer.Option(None, "--dim", help="BATCH_DIM=V: micro-batches of V (the model's symbolic batch dim), batch = V x micro-batches."),
     json_path: str = typer.Option(None, "--json", help="Write the figures and the timeline as JSON (the names `train --json` uses)."),
 ) -> None:
     """Predict one training iteration of a plan: per-device busy and idle time, peak memory, throughput, bubble."""
     from rich.table import Table
 
     from onnxpipe import schedule as schedules
+    from onnxpipe.batching import plan_binding
     from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
     from onnxpipe.pricing.problem import schedule_table
     from onnxpipe.fileio import write_json
     from onnxpipe.units import format_bytes
 
-    ensure_counts(microbatches=(microbatches, 1))
+    ensure_counts(batch=(batch, 1), microbatches=(microbatches, 1))
     plan = read_plan(plan_path)
-    sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=microbatches)
+    binding, total, m = plan_binding(_readable(plan.model), plan.dims, plan.batch, plan.microbatches, parse_dims(dim), batch, microbatches)
+    sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=m, batch=total)
+    print_batch(binding, total, m)
     ms = 1e3
-    table = Table(title=f"{len(plan.stages)} stages, {sim.schedule}: batch {sim.batch} per iteration = {sim.microbatches} micro-batches of {sim.batch / sim.microbatches:g}")
+    table = Table(title=f"{plural(len(plan.stages), 'stage')}, {sim.schedule}")
     for column in ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"):
         table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
     for s, devices in enumerate(sim.devices):

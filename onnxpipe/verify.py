@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from onnxpipe.batching import BatchBinding, stage_binding
 from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
@@ -24,7 +25,7 @@ from onnxpipe.protostream import read_header
 from onnxpipe.quantized import is_quantized
 from onnxpipe.safepath import ensure_external_data_inside
 
-__all__ = ["verify", "op_by_op", "random_feeds", "relative_error", "tolerance", "TOLERANCE"]
+__all__ = ["verify", "stage_batch", "op_by_op", "random_feeds", "relative_error", "tolerance", "TOLERANCE"]
 
 #: Max relative error (fp32, fp64) accepted between chained stages and the unsplit model.
 TOLERANCE = 1e-5
@@ -75,9 +76,9 @@ def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims:
     if samples < 1:
         raise OnnxpipeError(f"--samples {samples}: must be at least 1")
     manifest = Manifest.read(directory)
-    _ensure_same_dims(Path(directory), dims)
     fused = not op_by_op(model_path)
     original = _original_session(Path(model_path), fused)
+    stage_batch(directory, model_path, dims)
     names = [o.name for o in manifest.outputs]
     _ensure_same_interface(manifest, original, model_path)
     rng = np.random.default_rng(seed)
@@ -99,17 +100,19 @@ def _ensure_same_interface(manifest: Manifest, original: object, model_path: str
             raise OnnxpipeError(f"{model_path}: its {kind} {have} differ from the stages' {want}; pass the model the stages were split from")
 
 
-def _ensure_same_dims(directory: Path, dims: Mapping[str, int] | None) -> None:
+def stage_batch(directory: str | os.PathLike, model_path: str | os.PathLike, dims: Mapping[str, int] | None = None) -> tuple[BatchBinding, int, int]:
+    """How the stages bind the model's batch (their files' shapes; `dims` must agree with them), and the
+    (global batch, micro-batches) of the directory's plan, or one micro-batch when it has none."""
     from onnxpipe.plan.result import Plan
 
-    plan_path = directory / "plan.json"
-    if not dims or not plan_path.is_file():
-        return
-    used = Plan.read(plan_path).dims
-    differ = {k: v for k, v in dims.items() if used.get(k) != v}
-    if differ:
-        name, value = next(iter(differ.items()))
-        raise OnnxpipeError(f"--dim {name}={value}: the stages were split with {name}={used.get(name)}; verify with the dims used to split")
+    manifest = Manifest.read(directory)
+    binding = stage_binding(model_path, {i.name: i.shape for i in manifest.inputs}, dims)
+    micro = binding.microbatch or 1
+    plan_path = Path(directory) / "plan.json"
+    plan = Plan.read(plan_path) if plan_path.is_file() else None
+    if plan is not None and plan.batch == micro * plan.microbatches:
+        return binding, plan.batch, plan.microbatches
+    return binding, micro, 1
 
 
 def op_by_op(model_path: str | os.PathLike) -> bool:

@@ -5,6 +5,7 @@ say how they bound it."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,71 @@ def test_train_check_binds_the_reference_too_from_a_model_and_from_a_directory(t
     assert run.returncode == 0, run.stderr
     assert "batch 8 per iteration = 2 micro-batches of 4 (the stage files' batch)" in run.stdout
     assert json.loads((elsewhere / "b.json").read_text())["check"]["max_loss_rel_diff"] <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def split_dynamic(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The symbolic-batch model split at batch 8 = 4 micro-batches of 2, beside its model."""
+    root = tmp_path_factory.mktemp("dynamic")
+    shutil.copy(DYNAMIC, root / "m.onnx")
+    run = onnxpipe("split", "m.onnx", "--target", "cpu2", "--stages", "2", "--batch", "8", "--microbatches", "4", "-o", "stages", cwd=root)
+    assert run.returncode == 0, run.stderr
+    return root
+
+
+def test_verify_binds_the_stage_files_batch_and_checks_dim(split_dynamic: Path) -> None:
+    run = onnxpipe("verify", "stages", "m.onnx", "--samples", "1", cwd=split_dynamic)
+    assert run.returncode == 0, run.stderr
+    assert "batch 8 per iteration = 4 micro-batches of 2 (the stage files' batch)" in run.stdout
+    error = float(re.search(r"loss\s*│\s*([0-9.e+-]+)", run.stdout).group(1))  # chained stages vs the unsplit model at batch 2
+    assert error <= 1e-5
+    assert onnxpipe("verify", "stages", "m.onnx", "--samples", "1", "--dim", "batch=2", cwd=split_dynamic).returncode == 0
+    bad = onnxpipe("verify", "stages", "m.onnx", "--dim", "batch=3", cwd=split_dynamic)
+    assert bad.returncode == 2 and "--dim batch=3: the stages were split with batch=2; pass --dim batch=2, or split again with --dim batch=3" in bad.stderr
+
+
+def test_run_cuts_the_global_batch_into_the_stage_files_micro_batches(split_dynamic: Path) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    ids, labels = (rng.integers(0, 256, size=(8, 16)).astype(np.int64) for _ in range(2))
+    np.savez(split_dynamic / "in.npz", input_ids=ids, labels=labels)
+    run = onnxpipe("run", "stages", "--inputs", "in.npz", "-o", "out.npz", cwd=split_dynamic)  # no --microbatches: 8 rows / 2
+    assert run.returncode == 0, run.stderr
+    assert "batch 8 per iteration = 4 micro-batches of 2 (the stage files' batch)" in run.stdout
+    session = ort.InferenceSession(str(split_dynamic / "m.onnx"), providers=["CPUExecutionProvider"])
+    want = [session.run(["loss"], {"input_ids": ids[i:i + 2], "labels": labels[i:i + 2]})[0] for i in range(0, 8, 2)]
+    with np.load(split_dynamic / "out.npz") as got:
+        np.testing.assert_allclose(got["loss"], np.stack(want), rtol=1e-5)
+    bad = onnxpipe("run", "stages", "--inputs", "in.npz", "-o", "bad.npz", "--dim", "batch=4", cwd=split_dynamic)
+    assert bad.returncode == 2 and "--dim batch=4: the stages were split with batch=2" in bad.stderr and not (split_dynamic / "bad.npz").exists()
+
+
+def test_simulate_rebinds_the_plans_batch_like_train(split_dynamic: Path) -> None:
+    def simulate(*args: str) -> tuple[str, dict]:
+        name = f"sim{len(list(split_dynamic.glob('sim*.json')))}.json"
+        run = onnxpipe("simulate", "stages", *args, "--json", name, cwd=split_dynamic)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.splitlines()[0], json.loads((split_dynamic / name).read_text())
+
+    line, plan = simulate()
+    assert line == "batch 8 per iteration = 4 micro-batches of 2 (the plan's batch)"
+    line, by_dim = simulate("--dim", "batch=4")
+    assert line == "batch 16 per iteration = 4 micro-batches of 4 (symbolic dim 'batch' bound to 4 by --dim batch)"
+    line, by_batch = simulate("--batch", "16")
+    assert line.startswith("batch 16 per iteration = 4 micro-batches of 4 (symbolic dim 'batch' bound to 4 by --batch / --microbatches")
+    assert by_dim == by_batch  # one binding, whichever flag made it
+    # twice the micro-batch: every stage's busy time doubles (compute and messages scale with it), the iteration is longer
+    for doubled, base in zip(by_dim["stages"], plan["stages"]):
+        assert doubled["busy_seconds"] > 1.5 * base["busy_seconds"]
+    assert (by_dim["batch"], by_dim["microbatches"], plan["batch"]) == (16, 4, 8)
+    bad = onnxpipe("simulate", "stages", "--dim", "batch=3", "--batch", "8", cwd=split_dynamic)
+    assert bad.returncode == 2 and "--batch 8 is not 4 micro-batches of --dim batch=3; pass --batch 12" in bad.stderr
+    other = onnxpipe("simulate", "stages", "--dim", "seq=4", cwd=split_dynamic)
+    assert other.returncode == 2 and "re-plan the model with --dim seq=4" in other.stderr
+
+
+def test_train_from_a_directory_checks_dim_before_any_worker(split_dynamic: Path) -> None:
+    bad = onnxpipe("train", "stages", "--microbatches", "4", "--steps", "1", "--dim", "batch=4", cwd=split_dynamic)
+    assert bad.returncode == 2 and "--dim batch=4: the stages were split with batch=2" in bad.stderr

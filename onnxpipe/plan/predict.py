@@ -20,24 +20,27 @@ from onnxpipe.target import Target, load_target
 __all__ = ["simulate_plan", "stage_costs", "read_plan", "plan_target"]
 
 
-def simulate_plan(plan: Plan, target: Target, *, schedule: str | None = None, microbatches: int | None = None, background: float = 0.0) -> Simulation:
+def simulate_plan(plan: Plan, target: Target, *, schedule: str | None = None, microbatches: int | None = None, batch: int | None = None,
+                  background: float = 0.0) -> Simulation:
     """Simulate one training iteration of `plan` on `target`.
 
-    `schedule` and `microbatches` override the plan's; the global batch stays the same, so
-    per-micro-batch times, transfers and stashes scale linearly with the micro-batch size, and
+    `schedule`, `microbatches` and `batch` (the global batch) override the plan's; per-micro-batch
+    times, transfers and stashes scale linearly with the micro-batch size (batch / micro-batches), and
     the number of micro-batches in flight is re-derived from the new table. `background`: runnable
     processes of other work competing for a target's shared `cores` (a measured run queue), 0 on a
     quiet machine.
     """
     name = schedule or plan.schedule
     m = microbatches or plan.microbatches
-    if m > plan.batch:
-        raise OnnxpipeError(f"{m} micro-batches exceed the batch of {plan.batch}; pass --microbatches at most {plan.batch}")
+    total = batch or plan.batch
+    if m > total:
+        raise OnnxpipeError(f"{m} micro-batches exceed the batch of {total}; pass --microbatches at most {total}")
     _ensure_devices(plan, target)
     costs = stage_costs(plan, target)
-    if m != plan.microbatches:
-        costs = tuple(_rescaled(c, plan.microbatches / m) for c in costs)
-    return simulate(schedule_table(plan.mode, name, len(plan.stages), m), costs, target, schedule=name, batch=plan.batch, background=background)
+    scale = (total * plan.microbatches) / (m * plan.batch)  # exact integers, one rounding: the plan's own batch gives M0 / m exactly
+    if scale != 1.0:
+        costs = tuple(_rescaled(c, scale) for c in costs)
+    return simulate(schedule_table(plan.mode, name, len(plan.stages), m), costs, target, schedule=name, batch=total, background=background)
 
 
 def stage_costs(plan: Plan, target: Target) -> tuple[StageCost, ...]:

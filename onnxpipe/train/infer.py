@@ -4,7 +4,7 @@ stage servers and backends as training; stage i works on micro-batch j while sta
 `stream` also measures: each pass over the micro-batches is timed per worker action, and `inference_metrics`
 turns the passes into the figures `onnxpipe simulate --json` predicts, under the same keys.
 
-Reading order: `run_pipeline` -> `stream` -> `inference_metrics` -> `join_microbatches`.
+Reading order: `feed_microbatches` -> `run_pipeline` -> `stream` -> `inference_metrics` -> `join_microbatches`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from onnxpipe.train.local import LocalPipeline
 from onnxpipe.train.prepare import prepare_inference, stage_threads
 from onnxpipe.train.processes import ProcessPipeline
 
-__all__ = ["run_pipeline", "stream", "Streamed", "inference_metrics", "join_microbatches"]
+__all__ = ["feed_microbatches", "run_pipeline", "stream", "Streamed", "inference_metrics", "join_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -41,24 +41,37 @@ class Streamed:
     metrics: dict[str, Any]
 
 
-def run_pipeline(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microbatches: int = 1, *,
+def feed_microbatches(manifest: Manifest, feeds: Mapping[str, np.ndarray]) -> int:
+    """Micro-batches in `feeds` by the batch convention: their global batch (axis 0 of the first input with
+    one) over the stage files' micro-batch; 1 when that does not divide (the shape check then names the fix)."""
+    for spec in manifest.inputs:
+        value = feeds.get(spec.name)
+        if spec.shape and value is not None and np.ndim(value):
+            rows, micro = len(value), spec.shape[0]
+            return rows // micro if micro and rows >= micro and rows % micro == 0 else 1
+    return 1
+
+
+def run_pipeline(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microbatches: int | None = None, *,
                  processes: bool = True) -> dict[str, np.ndarray]:
     """Run the stage files as they are over `feeds` cut along axis 0 into micro-batches of the stage
-    files' batch; outputs joined along axis 0 (scalar outputs stacked, one per micro-batch). One worker
-    process per stage (`processes`), else every stage in this process, taking turns."""
+    files' batch (`microbatches` of them; default: as many as the feeds hold); outputs joined along axis 0
+    (scalar outputs stacked, one per micro-batch). One worker process per stage (`processes`), else every
+    stage in this process, taking turns."""
     return stream(directory, feeds, microbatches, processes=processes).outputs
 
 
-def stream(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microbatches: int = 1, *, repeat: int = 1,
+def stream(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microbatches: int | None = None, *, repeat: int = 1,
            processes: bool = True) -> Streamed:
     """`run_pipeline`, streaming the micro-batches through the stages `repeat` times (the same inputs; each
     pass starts with an empty pipeline), measured: with more than one pass the first is a warm-up and the
     figures are the medians of the others."""
+    manifest = Manifest.read(directory)
+    microbatches = feed_microbatches(manifest, feeds) if microbatches is None else microbatches
     if microbatches < 1:
         raise OnnxpipeError(f"--microbatches {microbatches}: must be at least 1")
     if repeat < 1:
         raise OnnxpipeError(f"--repeat {repeat}: must be at least 1")
-    manifest = Manifest.read(directory)
     full = check_feeds(manifest.inputs, feeds, microbatches, index_ranges(directory, manifest))
     parts = {name: [a] * microbatches if a.ndim == 0 else np.split(a, microbatches) for name, a in full.items()}
     slices = [{name: p[j] for name, p in parts.items()} for j in range(microbatches)]
