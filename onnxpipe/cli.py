@@ -116,6 +116,10 @@ def parse_ties(tie: list[str] | None, untie: list[str] | None) -> Any:
     return TieChoice.of(tie, untie)
 
 
+_MODE_HELP = ("training (forward, backward and optimizer step: the default for a model whose first output is its loss) or inference "
+              "(a forward-only pipeline, throughput objective, latency reported: the default for a model without a loss).")
+
+
 _TIE_HELP = "Train this weight read by several nodes as one tensor (default for ties and reuse in one module), repeatable."
 _MAX_LATENCY_HELP = ("Inference: take only plans whose latency (one micro-batch through the whole pipeline: forwards and transfers) "
                      "is at most this many seconds, e.g. 0.005.")
@@ -418,7 +422,7 @@ def split(
     schedule: str = typer.Option(None, "--schedule", help="Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved or zb-v (2 stages per device)."),
     optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
-    mode: str = typer.Option(None, "--mode", help="training, or inference: plan a forward-only pipeline."),
+    mode: str = typer.Option(None, "--mode", help=_MODE_HELP),
     max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
     time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
@@ -460,6 +464,9 @@ def split(
 
         binding = bind_batch(model, parse_dims(dim), batch, microbatches or 1)
         graph = load(model, binding.dims, parse_ties(tie, untie), shapes_by_running=shapes_by_running)
+        from onnxpipe.plan import choose_mode
+
+        options["mode"] = choose_mode(graph, mode)
         plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
     else:
         from onnxpipe.plan import plan_model
@@ -474,6 +481,8 @@ def split(
     manifest = split_model(graph, plan, out, force=force, annotated_path=annotated)
     print_batch(binding, plan.batch, plan.microbatches)  # once written: a failed split prints its one error line alone
     print_shared(graph.shared)
+    if mode is None and not plan_file:
+        _print_chosen_mode(plan)
 
     table = Table(title=f"{plural(len(manifest.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}")
     for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
@@ -573,6 +582,13 @@ def run(
 # --- plan --------------------------------------------------------------------
 
 
+def _print_chosen_mode(plan: Any) -> None:
+    """Say that a model without a loss was planned for inference, as no --mode was given."""
+    if plan.mode == "inference":
+        console.print("mode: inference (forward only), as the model has no loss output; training needs one (--loss with `onnxpipe train`)",
+                      highlight=False)
+
+
 def _print_plan_quality(plan: Any) -> None:
     """Bottleneck, lower bound and solver status: how good a plan provably is."""
     ms = 1e3
@@ -606,7 +622,7 @@ def plan_command(
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, zb-h1, interleaved or zb-v (2 stages per device: --stages up to 2 x devices), or auto to explore them all."),
     optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
-    mode: str = typer.Option("training", "--mode", help="training, or inference: a forward-only pipeline (throughput objective, latency reported)."),
+    mode: str = typer.Option(None, "--mode", help=_MODE_HELP),
     max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
     time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the solver may search."),
     compare: bool = typer.Option(False, "--compare", help="Also print every baseline side by side."),
@@ -643,7 +659,9 @@ def plan_command(
         )
     print_batch(binding, plan.batch, plan.microbatches)
     print_shared(graph.shared)
-    if mode == "training":  # an inference plan needs no gradient
+    if mode is None:
+        _print_chosen_mode(plan)
+    if plan.mode == "training":  # an inference plan needs no gradient
         _warn_missing_gradients(graph)
     ms = 1e3
     table = Table(title=f"{plural(len(plan.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "

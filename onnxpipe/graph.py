@@ -136,6 +136,17 @@ class Graph:
         return first.shape[0] if first is not None and first.shape else 1
 
     @property
+    def loss(self) -> str | None:
+        """The model's loss: its first output when that is a float scalar (or a one-element float named like a
+        loss), what a training model computes; None for a model without one (it can only be served)."""
+        info = self.tensors.get(self.outputs[0]) if self.outputs else None
+        if info is None or not np.issubdtype(np.dtype(info.dtype), np.floating):
+            return None
+        scalar = info.shape == ()
+        named = "loss" in info.name.lower() and math.prod(info.shape) == 1
+        return info.name if scalar or named else None
+
+    @property
     def parameters(self) -> tuple[str, ...]:
         """Floating-point initializers of more than one element: the trainable weights. Scalars (a Pow
         exponent, a 1/sqrt(d) scale) are constants of the formula, not weights."""

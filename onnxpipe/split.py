@@ -382,21 +382,9 @@ def _manifest(graph: Graph, plan: Plan, stages: tuple[Stage, ...], layouts: Sequ
         outputs=tuple(_stage_output(graph, name, ("model",)) for name in graph.outputs),
         stages=stages,
         shared=shared,
-        loss=_loss_output(graph),
+        loss=graph.loss,
         untied=graph.untied,
     )
-
-
-def _loss_output(graph: Graph) -> str | None:
-    """The first output when it is a float scalar (a training model's loss), else None."""
-    if not graph.outputs:
-        return None
-    info = graph.tensors.get(graph.outputs[0])
-    if info is None or not np.issubdtype(np.dtype(info.dtype), np.floating):
-        return None
-    scalar = info.shape == ()
-    named = "loss" in info.name.lower() and int(np.prod(info.shape)) == 1
-    return info.name if scalar or named else None
 
 
 def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]:

@@ -14,7 +14,7 @@ from onnxpipe.cost import annotate
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
 from onnxpipe.models import build
-from onnxpipe.plan import Plan, build_problem, lower_bound, plan, simulate_plan
+from onnxpipe.plan import Plan, build_problem, choose_mode, lower_bound, plan, simulate_plan
 from onnxpipe.target import load_target
 
 
@@ -90,3 +90,35 @@ def test_the_cli_plans_an_inference_pipeline(tmp_path: Path) -> None:
     bound = lower_bound(build_problem(load(str(model)), annotate(load(str(model))), load_target("fpga4"), batch=written.batch,
                                       microbatches=written.microbatches, mode="inference"), 2)
     assert bound.seconds == pytest.approx(written.lower_bound_seconds, rel=1e-9)
+
+
+def _plan_cli(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "onnxpipe", "plan", str(model), "--target", "fpga4", "--stages", "2", "--time-limit", "5", *args],
+                          capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "COLUMNS": "200"})
+
+
+def test_a_model_without_a_loss_is_planned_for_inference_and_refused_training(tmp_path: Path) -> None:
+    served, trained = tmp_path / "mlp.onnx", tmp_path / "mlp-loss.onnx"
+    served.write_bytes(build("mlp").SerializeToString())
+    trained.write_bytes(build("mlp", train=True).SerializeToString())
+    assert (load(str(served)).loss, load(str(trained)).loss) == (None, "loss")
+    run = _plan_cli(served, "-o", str(tmp_path / "plan.json"))
+    assert run.returncode == 0, run.stderr
+    assert "mode: inference (forward only), as the model has no loss output" in run.stdout
+    assert Plan.read(tmp_path / "plan.json").mode == "inference"
+    refused = _plan_cli(served, "--mode", "training", "-o", str(tmp_path / "refused.json"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert "has no loss output" in refused.stderr and "--mode inference" in refused.stderr and "--loss" in refused.stderr
+    assert not (tmp_path / "refused.json").exists()
+    run = _plan_cli(trained, "-o", str(tmp_path / "trained.json"))
+    assert run.returncode == 0 and "mode: inference" not in run.stdout
+    assert Plan.read(tmp_path / "trained.json").mode == "training"
+
+
+def test_choose_mode_follows_the_loss_unless_one_is_appended() -> None:
+    served, trained = load(build("mlp")), load(build("mlp", train=True))
+    assert (choose_mode(served, None), choose_mode(trained, None)) == ("inference", "training")
+    assert choose_mode(served, None, adds_loss=True) == choose_mode(served, "training", adds_loss=True) == "training"
+    assert choose_mode(trained, "inference") == "inference"
+    with pytest.raises(OnnxpipeError, match="has no loss output; add one with --loss .* or plan a forward-only pipeline with --mode inference"):
+        choose_mode(served, "training")

@@ -111,5 +111,7 @@ def test_the_cli_bound_is_one_line_or_a_plan_within_it(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     written = Plan.read(tmp_path / "stages" / "plan.json")
     assert written.latency_seconds <= least * 1.01
-    training = _cli("plan", str(path), "--target", "fpga4", "--max-latency", "1", "-o", str(out))
+    trainable = tmp_path / "mlp-loss.onnx"
+    trainable.write_bytes(build("mlp", train=True).SerializeToString())
+    training = _cli("plan", str(trainable), "--target", "fpga4", "--max-latency", "1", "-o", str(out))
     assert training.returncode == 2 and "add --mode inference" in training.stderr and not out.exists()

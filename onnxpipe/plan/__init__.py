@@ -8,7 +8,7 @@ baselines); `lower_bound` says what no plan can beat; `baselines` shows what oth
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import LowerBound, lower_bound
 from onnxpipe.plan.evaluate import evaluate, fits
-from onnxpipe.plan.planner import compare, faster_stage_count, plan, plan_model
+from onnxpipe.plan.planner import choose_mode, compare, faster_stage_count, plan, plan_model
 from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan, stage_costs
 from onnxpipe.plan.result import Candidate, Memory, Plan, SolveInfo, StagePlan
@@ -17,6 +17,7 @@ from onnxpipe.pricing.stage import Assignment
 __all__ = [
     "plan",
     "plan_model",
+    "choose_mode",
     "compare",
     "faster_stage_count",
     "evaluate",

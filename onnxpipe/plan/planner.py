@@ -25,7 +25,7 @@ from onnxpipe.schedule import SCHEDULES, TABLES, ensure_known, virtual
 from onnxpipe.target import Target, load_target
 from onnxpipe.units import plural
 
-__all__ = ["plan", "plan_model", "compare", "faster_stage_count"]
+__all__ = ["plan", "plan_model", "choose_mode", "compare", "faster_stage_count"]
 
 _RECOMPUTE = ("auto", "always", "never")
 
@@ -140,16 +140,35 @@ def plan_model(
     profile: bool | None = None,
     ties: TieChoice | None = None,
     shapes_by_running: bool = False,
+    mode: str | None = None,
+    adds_loss: bool = False,
     **options: object,
 ) -> tuple[Graph, Costs, Target, Plan]:
-    """Load (untying exporter-merged weights, `ties` overriding), take the model's stored costs (an annotated ONNX) or annotate it, and plan."""
+    """Load (untying exporter-merged weights, `ties` overriding), take the model's stored costs (an annotated ONNX) or annotate it, and plan
+    in `mode` (`choose_mode`: by default training for a model with a loss output, inference for one without; `adds_loss`: the caller
+    appends a loss before training, as `train --loss` does)."""
     graph = load(model, dims, ties, shapes_by_running=shapes_by_running)
+    options["mode"] = choose_mode(graph, mode, adds_loss)
     target = load_target(target) if isinstance(target, str) else target
     costs = read_annotated(graph)
     if costs is None:
         first = target.devices[0]  # measured with the execution provider of the first device group's kind
         costs = annotate(graph, profile=target.profile if profile is None else profile, device_kind=first.kind, provider=first.provider)
     return graph, costs, target, plan(graph, costs, target, **options)  # type: ignore[arg-type]
+
+
+def choose_mode(graph: Graph, mode: str | None, adds_loss: bool = False) -> str:
+    """The mode to plan a model in: `mode` when given, else training when the model has a loss output (or gets one:
+    `adds_loss`) and inference when it has none (a model without a loss can only be served). Training a model
+    without a loss is refused in one line that names both ways out."""
+    trainable = graph.loss is not None or adds_loss
+    if mode is None:
+        return "training" if trainable else "inference"
+    if mode == "training" and not trainable:
+        first = f" (its first output '{graph.outputs[0]}' is no scalar loss)" if graph.outputs else ""
+        raise OnnxpipeError(f"model {graph.source!r} has no loss output; add one with --loss cross_entropy|mse --labels OUTPUT=LABELS "
+                            f"to train it{first}, or plan a forward-only pipeline with --mode inference")
+    return mode
 
 
 def compare(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True) -> dict[str, Plan]:

@@ -137,7 +137,7 @@ class Pipeline:
         graph, _, _, the_plan = plan_model(source, target or DEFAULT_TARGET, dims=self.dims, stages=stages, microbatches=m,
                                            schedule=self.config.schedule, optimizer=self.config.optimizer.planned_as,
                                            recompute=self.config.recompute, time_limit=time_limit, ties=ties,
-                                           shapes_by_running=self.shapes_by_running)
+                                           shapes_by_running=self.shapes_by_running, mode="training", adds_loss=self.config.loss is not None)
         ensure_gradients(graph.model, None, graph.source)  # before any worker starts
         self.shared = graph.shared
         if batch is not None and batch != graph.batch * m:
