@@ -130,3 +130,25 @@ def test_a_device_without_an_int8_rate_prices_int8_at_float32_and_says_so() -> N
     noted = plan_cuts(graph, costs, cpu, ["hq"], mode="inference").notes
     assert noted == ("cpu in cpu2 lists no int8 rate: its int8 kernels are priced at float32 (add peak_flops.int8, with its source, to the target)",)
     assert plan_cuts(graph, costs, load_target("fpga4"), ["hq"], mode="inference").notes == ()
+
+
+def test_a_plan_keeps_its_notes_through_json(tmp_path) -> None:
+    from onnxpipe.plan import Plan
+
+    graph = load(_qdq_chain())
+    noted = plan_cuts(graph, annotate(graph), load_target("fpga4"), ["hd"], mode="inference")
+    noted.save(tmp_path / "plan.json")
+    assert Plan.read(tmp_path / "plan.json").notes == noted.notes != ()
+
+
+def test_split_says_what_a_dequantized_cut_costs(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from onnxpipe.cli import app
+
+    onnx.save(_qdq_chain(), tmp_path / "q.onnx")
+    result = CliRunner().invoke(app, ["split", str(tmp_path / "q.onnx"), "-t", "fpga4", "--cuts", "hd", "-o", str(tmp_path / "s")],
+                                env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "mode: inference (forward only), as the model has no loss output" in result.output
+    assert "note: 'hd' (float32, 2 KiB per micro-batch) leaves stage 0 as a DequantizeLinear widened int8 'hq' (512 B)" in result.output
