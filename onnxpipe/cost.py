@@ -1,6 +1,6 @@
 """Per-node cost annotation: analytic FLOPs and bytes per op class, or measured times from onnxruntime.
 
-Reading order: `NodeCost`, `Costs` -> `annotate` -> `_first_readers` (parameter ownership) ->
+Reading order: `NodeCost`, `Costs` -> `annotate` -> `weight_owners` (parameter ownership) ->
 `_node_cost` (bytes and the backward rule) -> `_control_flow` (If/Loop/Scan bodies) ->
 `summarize` -> `write_annotated` / `read_annotated` (annotated ONNX) -> `write_summary`.
 Forward FLOP formulas live in `cost_formulas`, measured times in `cost_profile`.
@@ -61,7 +61,7 @@ from onnxpipe.protostream import load_weights
 from onnxpipe.quantized import int8_operands
 
 __all__ = [
-    "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "with_measurements", "summarize",
+    "OP_CLASSES", "NodeCost", "Costs", "OpTypeSummary", "annotate", "weight_owners", "with_measurements", "summarize",
     "write_annotated", "read_annotated", "write_summary",
 ]
 
@@ -128,7 +128,7 @@ _BACKWARD_FACTOR = {"matmul": 2.0, "conv": 2.0, "rnn": 2.0, "norm": 2.0, "elemen
 def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int = 2, device_kind: str = "cpu", provider: str = "") -> Costs:
     """Cost every compute node; with `profile`, add median times measured in onnxruntime with the execution
     provider of a `device_kind` device (`provider` when named; the CPU on one thread for "cpu")."""
-    owners = _first_readers(graph)
+    owners = {node: float(sum(graph.tensors[w].nbytes for w in mine if w in graph.tensors)) for node, mine in weight_owners(graph).items()}
     graded = _gradient_tensors(graph)
     nodes: dict[str, NodeCost] = {}
     unknown: set[str] = set()
@@ -167,10 +167,11 @@ def _is_float(graph: Graph, tensor: str) -> bool:
     return info is not None and np.issubdtype(np.dtype(info.dtype), np.floating)
 
 
-def _first_readers(graph: Graph) -> dict[str, float]:
-    """Weight bytes per compute node: each constant of more than one element (an initializer of any
+def weight_owners(graph: Graph) -> dict[str, frozenset[str]]:
+    """The weights each compute node holds: each constant of more than one element (an initializer of any
     dtype, or what a constant subgraph makes from scalars, such as a ConstantOfShape fill), reached
-    directly or through constant-only nodes (a folded Transpose of a weight), belongs to its first compute reader."""
+    directly or through constant-only nodes (a folded Transpose of a weight), belongs to its first compute
+    reader, so a tied weight counts once. Named by initializer (a fill by the tensor made)."""
     origins: dict[str, frozenset[str]] = {t: frozenset({t}) for t in graph.initializers if _is_block(graph, t)}
     for name in graph.order:
         if name in graph.constant_nodes:
@@ -178,19 +179,19 @@ def _first_readers(graph: Graph) -> dict[str, float]:
             for out in (o for o in graph.node(name).output if o):
                 origins[out] = source or (frozenset({out}) if _is_block(graph, out) else frozenset())
     claimed: set[str] = set()
-    owned: dict[str, float] = {}
+    owned: dict[str, frozenset[str]] = {}
     for name in graph.compute_nodes:
-        mine = set().union(*(origins.get(t, frozenset()) for t in graph.node_inputs(name))) - claimed
+        mine = frozenset().union(*(origins.get(t, frozenset()) for t in graph.node_inputs(name))) - claimed
         claimed |= mine
-        owned[name] = float(sum(graph.tensors[p].nbytes for p in mine if p in graph.tensors))
+        owned[name] = mine
     return owned
 
 
 def _gradient_tensors(graph: Graph) -> frozenset[str]:
-    """Tensors training computes a gradient for: the parameters, constant chains of them (a folded
-    Transpose of a weight), and every compute output downstream of one. A model input gets none, so the
-    first convolution of a network computes its weight gradient only."""
-    graded = set(graph.parameters)
+    """Tensors training computes a gradient for: the trained parameters (`Graph.trained`), constant chains of
+    them (a folded Transpose of a weight), and every compute output downstream of one. A model input gets
+    none, so the first convolution of a network computes its weight gradient only; nor does a frozen weight."""
+    graded = set(graph.trained)
     for name in graph.order:
         if any(t in graded for t in graph.node_inputs(name)):
             graded.update(o for o in graph.node(name).output if o)

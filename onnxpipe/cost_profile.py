@@ -28,7 +28,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
     CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, complete_optional_outputs, gradient_model, pretraining_rewrite,
-    quiet_stderr, state_inputs,
+    quiet_stderr,
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
@@ -201,8 +201,7 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     """The model plus a scalar loss and its gradient graph, None when onnxruntime cannot build one."""
     floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
     used = {t for n in graph.compute_nodes for t in graph.node_inputs(n)}
-    state = state_inputs(model.graph)
-    wanted = {p for p in graph.parameters if p in used and p not in state} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
+    wanted = {p for p in graph.trained if p in used} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
     if not floats or not wanted or model.ByteSize() >= _TWO_GB:
         return None
     lossy = onnx.ModelProto()

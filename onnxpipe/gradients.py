@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.nodes import trained_initializers
 from onnxpipe.opset import training_opset
 from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, gradient_model, state_inputs
 from onnxpipe.protostream import is_streamable, raw_nbytes, skeleton
@@ -66,14 +66,14 @@ def _is_float(t: onnx.TypeProto | None) -> bool:
 
 def missing_gradients(model: onnx.ModelProto, trained: Iterable[str] | None = None) -> tuple[MissingGradient, ...]:
     """Every op type on a gradient path that onnxruntime-training 1.19.2 cannot differentiate, after
-    `rewrite_for_training`. `trained`: the tensors gradients are wanted for (default: the weights,
-    every float initializer of more than one element)."""
+    `rewrite_for_training`. `trained`: the tensors gradients are wanted for (default: the weights
+    training updates, `nodes.trained_initializers`)."""
     model, _ = rewrite_for_training(training_opset(_light(model)))
     graph = model.graph
     complete_optional_outputs(graph)  # as training does: LayerNormalization's gradient reads its Mean/InvStdDev
     types = _types(model)
     if trained is None:
-        trained = [t.name for t in graph.initializer if t.data_type in _FLOATS and int(np.prod(t.dims)) > 1]
+        trained = trained_initializers(graph)
     live = set(trained) - state_inputs(graph)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     bad: dict[str, list[str]] = {}

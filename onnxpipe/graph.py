@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
-from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures
+from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures, trained_initializers
 from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
 from onnxpipe.protostream import read_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
@@ -151,6 +151,12 @@ class Graph:
         """Floating-point initializers of more than one element: the trainable weights. Scalars (a Pow
         exponent, a 1/sqrt(d) scale) are constants of the formula, not weights."""
         return tuple(sorted(n for n in self.initializers if is_weight(self.tensors[n].dtype, self.tensors[n].shape)))
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The parameters training updates (`nodes.trained_initializers`, the trainer's own rule): what has a
+        gradient, optimizer state and an all-reduce. Other weights (int8, constant fills, BatchNorm statistics) are only held."""
+        return tuple(sorted(trained_initializers(self.model.graph) & self.initializers))
 
     def producer(self, tensor: str) -> str | None:
         """The node producing a tensor, None for graph inputs and initializers."""

@@ -23,6 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.nodes import is_weight
 from onnxpipe.protostream import all_equal
 
 __all__ = ["SharedInitializer", "TieChoice", "KINDS", "shared_initializers", "untie", "untie_in_place", "module_of", "describe"]
@@ -87,11 +88,6 @@ def module_of(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _is_weight(tensor: onnx.TensorProto) -> bool:
-    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return bool(np.issubdtype(dtype, np.floating)) and int(np.prod(tensor.dims)) > 1
-
-
 def _constant_valued(tensor: onnx.TensorProto, base_dir: str | os.PathLike | None) -> bool:
     """Every element equal (ones, zeros, a fill): what a fresh model's norms and biases hold. A weight
     on disk is read from `base_dir` chunk by chunk (the model keeps only its reference)."""
@@ -125,7 +121,7 @@ def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice(),
     found = []
     for tensor in graph.initializer:
         nodes = list(dict.fromkeys(i for i, _ in reads.get(tensor.name, ())))
-        if len(nodes) < 2 or not _is_weight(tensor):
+        if len(nodes) < 2 or not is_weight(helper.tensor_dtype_to_np_dtype(tensor.data_type), tuple(tensor.dims)):
             continue
         readers = tuple((graph.node[i].name or f"{graph.node[i].op_type}_{i}", module_of(graph.node[i])) for i in nodes)
         modules = {m for _, m in readers}

@@ -1,5 +1,5 @@
-"""Facts about single nodes and tensors that the graph IR, shape inference and clean-up all need:
-what a node reads from its enclosing scope, and which tensors are weights."""
+"""Facts about single nodes and tensors that the graph IR, shape inference, clean-up, pricing and training
+all need: what a node reads from its enclosing scope, which tensors are weights, and which weights are trained."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import math
 
 import numpy as np
 import onnx
+from onnx import helper
 
-__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "RANDOM_OPS", "QUANTIZATION_OPS"]
+from onnxpipe.ortutil import state_inputs
+
+__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "trained_initializers", "RANDOM_OPS", "QUANTIZATION_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -44,3 +47,14 @@ def is_weight(dtype: str | np.dtype, shape: tuple[int, ...]) -> bool:
     """A floating-point initializer of more than one element is a trainable weight; scalars and
     one-element tensors (a Pow exponent, a 1/sqrt(d) scale, a mask fill value) are constants."""
     return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1
+
+
+def trained_initializers(graph: onnx.GraphProto) -> frozenset[str]:
+    """The initializers training updates: the one rule the trainer (`train.graphs`) and the pricing
+    (`Graph.trained`: gradients, optimizer state, all-reduce) both apply. Floating-point weights of more than
+    one element (`is_weight`), except tensors a node reads as state (BatchNorm's running statistics). Weights
+    of other dtypes (int8 behind a DequantizeLinear) and tensors made by constant subgraphs (a ConstantOfShape
+    fill) are held, never trained."""
+    state = state_inputs(graph)
+    return frozenset(t.name for t in graph.initializer
+                     if t.name not in state and is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims)))

@@ -30,7 +30,9 @@ from test_properties import RandomModel, random_models
 def test_the_rule_in_numbers() -> None:
     # 3 micro-batches in flight over 2 replicas: one replica owns 2 of any 3 consecutive ones.
     assert (held(3, 2), held(4, 2), held(1, 3)) == (2, 2, 1)
-    assert state_bytes(100.0, 2.0) == 400.0  # Adam: parameters, gradients and two moments
+    assert state_bytes(100.0, 100.0, 2.0) == 400.0  # Adam: parameters, gradients and two moments
+    assert state_bytes(100.0, 40.0, 2.0) == 220.0  # 60 bytes frozen (int8 weights): held, no gradient, no moments
+    assert state_bytes(100.0, 40.0, 2.0, training=False) == 100.0
     assert activation_bytes(2, 50.0, 10.0, False) == 100.0
     assert activation_bytes(2, 50.0, 10.0, True) == 70.0  # two stashes and one micro-batch rebuilt
 

@@ -64,7 +64,7 @@ def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBo
     usable = problem.device_count if replicas else stages
     most_replicas = np.minimum(counts, max(1, problem.device_count - stages + 1)) if replicas else np.ones_like(counts)
     node = float(np.max(np.min(work / most_replicas[:, None], axis=0)))
-    state = state_bytes(problem.params, problem.optimizer_states, problem.training)
+    state = state_bytes(problem.params, problem.trained, problem.optimizer_states, problem.training)
     spread = float(state.sum()) / usable
     per_node = float(np.max(state + problem.activations / np.max(most_replicas)))
     return LowerBound(

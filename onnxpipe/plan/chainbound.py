@@ -139,10 +139,10 @@ class _Chain:
         self.most = [c if replicas else 1 for c in self.counts]
         groups = range(len(self.counts))
         self.seg_work = [np.bincount(of, weights=work[g], minlength=self.m) for g in groups]
-        # A segment's parameters are surely all-reduced only where each of its nodes takes time on g:
+        # A segment's trained parameters are surely all-reduced only where each of its nodes takes time on g:
         # then a stage covering it whole (in positions) holds every one of its nodes.
         timed = [np.bincount(of, weights=(work[g] <= 0).astype(float), minlength=self.m) == 0 for g in groups]
-        params = np.bincount(of, weights=problem.params[kept], minlength=self.m)
+        params = np.bincount(of, weights=problem.trained[kept], minlength=self.m)
         self.prefix = [[0.0, *np.cumsum(w).tolist()] for w in self.seg_work]
         self.params = [[0.0, *np.cumsum(params * t).tolist()] for t in timed]
         self.seg = [w.tolist() for w in self.seg_work]

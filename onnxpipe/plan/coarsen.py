@@ -29,6 +29,8 @@ class Blocks:
     backward: np.ndarray
     params: np.ndarray
     activations: np.ndarray
+    #: (blocks,) trained parameter bytes (`Problem.trained`).
+    trained: np.ndarray
     #: Tensors crossing blocks: producer block (-1: model input), bytes, sorted distinct consumer blocks.
     producer: np.ndarray
     nbytes: np.ndarray
@@ -120,6 +122,7 @@ def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
         backward=backward,
         params=sums(problem.params),
         activations=sums(problem.activations),
+        trained=sums(problem.trained),
         producer=np.array(producer, dtype=np.int64),
         nbytes=np.array(nbytes, dtype=float),
         consumers=tuple(consumers),

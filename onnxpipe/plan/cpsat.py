@@ -203,12 +203,12 @@ class _Model:
         flights = problem.flights(k)
         crossing = [t for t, r in enumerate(self.received) if r is not None]
         reads = [t for t, r in enumerate(self.inputs) if r is not None]
-        state = state_bytes(blocks.params, problem.optimizer_states, problem.training)
+        state = state_bytes(blocks.params, blocks.trained, problem.optimizer_states, problem.training)
         m = problem.microbatches
-        # holds[s]: the stage has parameters, so a replicated stage all-reduces gradients.
+        # holds[s]: the stage has trained parameters, so a replicated stage all-reduces gradients.
         holds = [cp.NewBoolVar("") for _ in range(k)]
         for s in range(k):
-            for b in np.flatnonzero(blocks.params > 0):
+            for b in np.flatnonzero(blocks.trained > 0):
                 cp.AddImplication(self.x[b][s], holds[s])
         for s in range(k):
             comp, comm_in, comm_out, ar = (cp.NewIntVar(0, self.most_ns, "") for _ in range(4))
@@ -239,7 +239,7 @@ class _Model:
                     cp.Add(comm_in >= inside).OnlyEnforceIf(y)
                 if r > 1:
                     a0, a1 = problem.allreduce_affine(g, r)
-                    cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.params * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
+                    cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.trained * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
 
     def _message(self, t: int, source: int, dest: int, replicas: int) -> int:
         """Nanoseconds one end spends on tensor t between groups source and dest, its share over `replicas`."""

@@ -135,13 +135,14 @@ class _Prefix:
     backward: np.ndarray
     params: np.ndarray
     activations: np.ndarray
+    trained: np.ndarray
 
 
 def _prefix(blocks: Blocks) -> _Prefix:
     def cum(a: np.ndarray) -> np.ndarray:
         return np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1)], axis=-1)
 
-    return _Prefix(cum(blocks.forward), cum(blocks.backward), cum(blocks.params), cum(blocks.activations))
+    return _Prefix(cum(blocks.forward), cum(blocks.backward), cum(blocks.params), cum(blocks.activations), cum(blocks.trained))
 
 
 def _span(prefix: np.ndarray) -> np.ndarray:
@@ -158,13 +159,14 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
         forward = _span(prefix.forward[g]) / r
         backward = _span(prefix.backward[g]) / r
         params = _span(prefix.params)
+        trained = _span(prefix.trained)
         comm = message_seconds(table.in_count * problem.latency[gp, g], table.in_bytes, r, problem.bandwidth[gp, g]) if gp >= 0 else 0.0
         latency, bandwidth = out_links(problem, g)
         comm = comm + message_seconds(table.out_count * latency, table.out_bytes, r, bandwidth)
         a0, a1 = problem.allreduce_affine(g, r)
-        allreduce = np.where(params > 0, a0 + a1 * params, 0.0) if r > 1 else 0.0
+        allreduce = np.where(trained > 0, a0 + a1 * trained, 0.0) if r > 1 else 0.0
         keep = seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches)
-        state = state_bytes(params, problem.optimizer_states, problem.training)
+        state = state_bytes(params, trained, problem.optimizer_states, problem.training)
         acts = _span(prefix.activations)
         invalid = np.tril(np.ones_like(keep, dtype=bool))
         base = (keep, forward, state, acts, invalid)

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from onnxpipe import schedule as schedules
-from onnxpipe.cost import Costs
+from onnxpipe.cost import Costs, weight_owners
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
@@ -65,6 +65,10 @@ class Problem:
     #: (nodes,) parameter bytes (not scaled by the batch) and activation bytes per micro-batch.
     params: np.ndarray
     activations: np.ndarray
+    #: (nodes,) the part of `params` training updates (`Graph.trained`, the trainer's own rule), owned as `params`
+    #: are: what has gradients, optimizer state and an all-reduce. Frozen weights (int8 behind a DequantizeLinear,
+    #: constant fills, BatchNorm statistics) are only held.
+    trained: np.ndarray
     #: Tensors read by compute nodes: name, producer position (-1: model input), bytes per micro-batch,
     #: and the sorted distinct positions of their consumers.
     tensor_names: tuple[str, ...]
@@ -208,6 +212,7 @@ def build_problem(
     corun_forward = np.array([[corun_seconds(target, members[g][0], c.param_bytes) for c in node_costs] for g in groups], dtype=float).reshape(
         len(groups), len(nodes))
     params = np.array([c.param_bytes for c in node_costs], dtype=float)
+    trained = np.maximum(params - _frozen_bytes(graph, nodes), 0.0)
     weighted = np.array([float(p > 0 and graph.node(n).op_type not in FUSED_GRADIENT_OPS) for n, p in zip(nodes, params)])
     activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
     names, producer, nbytes, consumers = _tensors(graph, nodes, scale)
@@ -239,6 +244,7 @@ def build_problem(
         weight=backward * weighted / 2 if mode == "training" else np.zeros_like(backward),
         params=params,
         activations=activations,
+        trained=trained,
         tensor_names=names,
         tensor_producer=producer,
         tensor_bytes=nbytes,
@@ -252,6 +258,15 @@ def build_problem(
         mode=mode,
         max_latency=max_latency,
     )
+
+
+def _frozen_bytes(graph: Graph, nodes: tuple[str, ...]) -> np.ndarray:
+    """Per node, the bytes of the weights it holds (`cost.weight_owners`: each once, at its first reader) that
+    training does not update; its parameter bytes less these are trained."""
+    trained = set(graph.trained)
+    owners = weight_owners(graph)
+    return np.array([float(sum(graph.tensors[w].nbytes for w in owners.get(n, ()) if w not in trained and w in graph.tensors)) for n in nodes],
+                    dtype=float)
 
 
 def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, optimizer: str) -> None:

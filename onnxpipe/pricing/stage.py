@@ -8,7 +8,8 @@ round-robin, so the stage delivers r times one replica's rate and its times are 
   between the two stages' device groups at both ends, `message_seconds` = latency + bytes / (r x bandwidth);
 - all-reduce: the ring all-reduce of its parameter gradients over its replicas, once per iteration, so its
   share per micro-batch is / microbatches (`seconds_per_microbatch` adds the terms);
-- memory on one replica: parameters, gradients and optimizer state (`state_bytes`) all the time, plus the
+- memory on one replica: parameters, and of the trained ones their gradients and optimizer state (`state_bytes`;
+  frozen weights are only held, and have no all-reduce) all the time, plus the
   activations of the micro-batches one replica holds at once (`held`): all its activations for each
   (`activation_bytes`), or with recompute only what it received (its stash) for each plus one micro-batch's
   activations rebuilt during a backward.
@@ -56,10 +57,11 @@ def held(flight: int, replicas: int) -> int:
     return -(-flight // replicas)
 
 
-def state_bytes(params: Num, optimizer_states: float, training: bool = True) -> Num:
-    """Bytes held all the time for `params` bytes of parameters: themselves, and in training their
-    gradients and the optimizer's state (`optimizer_states` bytes per parameter byte)."""
-    return params * (2.0 + optimizer_states) if training else params * 1.0
+def state_bytes(params: Num, trained: Num, optimizer_states: float, training: bool = True) -> Num:
+    """Bytes held all the time for `params` bytes of parameters of which `trained` are trained: the
+    parameters, and in training the trained ones' gradients and optimizer state (`optimizer_states` bytes
+    per parameter byte)."""
+    return params + trained * (1.0 + optimizer_states) if training else params * 1.0
 
 
 def activation_bytes(holds: int, activations: Num, stash: Num, recompute: bool) -> Num:
@@ -153,7 +155,7 @@ class StageCost:
     action_overhead: float
     #: Seconds a backward takes to hand its weight gradients to the executor, which sums them.
     handing: float
-    #: Seconds of the optimizer step: one pass over parameters, gradients and optimizer state.
+    #: Seconds of the optimizer step: one pass over the trained parameters, their gradients and optimizer state.
     step: float
     #: Seconds per training step outside the schedule's actions (the driver's share), on its devices.
     step_overhead: float
@@ -185,6 +187,7 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
         corun = float(max(problem.corun_forward[g, mask].sum() * (2 if recompute else 1) + problem.corun_backward[g, mask].sum()
                           for g in groups[s])) / r
         params = float(problem.params[mask].sum())
+        trained = float(problem.trained[mask].sum()) if problem.training else 0.0
         activations = float(problem.activations[mask].sum())
         stash = float(comm.stash_bytes[s]) if recompute else activations
         others = tied[s][0]
@@ -202,8 +205,8 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
             out_seconds=float(comm.out_seconds[s]),
             memory=Memory(
                 parameters=params,
-                gradients=params if problem.training else 0.0,
-                optimizer=params * problem.optimizer_states if problem.training else 0.0,
+                gradients=trained,
+                optimizer=trained * problem.optimizer_states,
                 activations=activation_bytes(held(flights[s], r), activations, stash, recompute),
                 capacity=float(min(problem.capacity[g] for g in groups[s])),
             ),
@@ -265,7 +268,8 @@ def stage_cost(
         corun_slowdown=corun_slowdown,
         action_overhead=max(d.action_overhead for d in on),
         handing=max((memory.gradients / rate for rate in rates), default=0.0),
-        step=(2 * memory.parameters + memory.gradients + 2 * memory.optimizer) / min(d.memory_bandwidth for d in on),
+        # the optimizer reads and writes the trained parameters (as many bytes as their gradients), reads the gradients, updates its state
+        step=(3 * memory.gradients + 2 * memory.optimizer) / min(d.memory_bandwidth for d in on),
         step_overhead=max(d.step_overhead for d in on),
     )
 
@@ -305,12 +309,13 @@ def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarr
 
 def _tied(problem: Problem, stage_of: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
     """Per stage: the other stages reading one of its trained weights (each holds a copy; through
-    constant chains too, e.g. the transpose of a tied embedding), and the bytes of those weights."""
+    constant chains too, e.g. the transpose of a tied embedding), and the bytes of those weights. A frozen
+    weight read by several stages is only copied: it has no gradient to exchange."""
     graph = problem.graph
     position = {n: i for i, n in enumerate(problem.nodes)}
     others: list[set[int]] = [set() for _ in range(k)]
     nbytes = [0.0] * k
-    for weight in graph.parameters:
+    for weight in graph.trained:
         stages: set[int] = set()
         frontier, seen = [weight], set()
         while frontier:

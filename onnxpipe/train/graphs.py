@@ -23,15 +23,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.gradients import ensure_gradients
-from onnxpipe.graph import is_weight
-from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, cpu_session, gradient_model, ort_reason, pretraining_rewrite, state_inputs
+from onnxpipe.nodes import trained_initializers
+from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, cpu_session, gradient_model, ort_reason, pretraining_rewrite
 from onnxpipe.rewrites import rewrite_for_training
 from onnxpipe.opset import training_opset
 
 __all__ = [
     "StageGraphs",
     "build_stage_graphs",
-    "is_trainable_initializer",
     "grad_input_name",
     "grad_name",
     "TOTAL_LOSS",
@@ -81,11 +80,6 @@ class StageGraphs:
     initial: dict[str, np.ndarray] = field(repr=False, compare=False)
 
 
-def is_trainable_initializer(tensor: TensorProto) -> bool:
-    """The graph IR's rule for weights (`onnxpipe.graph.is_weight`), on a raw initializer."""
-    return is_weight(helper.tensor_dtype_to_np_dtype(tensor.data_type).name, tuple(tensor.dims))
-
-
 def build_stage_graphs(
     model: onnx.ModelProto,
     *,
@@ -98,14 +92,14 @@ def build_stage_graphs(
 ) -> StageGraphs:
     """Forward and backward models of one stage.
 
-    params: initializers to train; grad_inputs: float inputs whose gradients go back to earlier
+    params: initializers to train (those `nodes.trained_initializers` admits, the rule pricing uses too); grad_inputs: float inputs whose gradients go back to earlier
     stages; grad_outputs: outputs later stages send gradients for; loss: the scalar loss output held here.
     """
     work = onnx.ModelProto()
     work.CopyFrom(training_opset(model, origin))
     inits = {t.name: t for t in work.graph.initializer}
-    state = state_inputs(work.graph)
-    params = tuple(p for p in dict.fromkeys(params) if p in inits and p not in state and is_trainable_initializer(inits[p]))
+    trainable = trained_initializers(work.graph)
+    params = tuple(p for p in dict.fromkeys(params) if p in trainable)
     grad_inputs, grad_outputs = tuple(grad_inputs), tuple(grad_outputs)
     data_inputs = tuple(i.name for i in work.graph.input if i.name not in inits)
     outputs = tuple(o.name for o in work.graph.output if o.name != loss)

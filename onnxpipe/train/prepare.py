@@ -17,7 +17,8 @@ from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.schedule import SCHEDULES, Table, add_communication, build, forward_only, replicate, table
 from onnxpipe.target import load_target
-from onnxpipe.train.graphs import StageGraphs, build_stage_graphs, is_trainable_initializer
+from onnxpipe.nodes import trained_initializers
+from onnxpipe.train.graphs import StageGraphs, build_stage_graphs
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
 from onnxpipe.opset import training_opset
@@ -177,7 +178,8 @@ def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None
         loss = config.loss.name
     if loss is None:
         raise OnnxpipeError("the model has no loss output; add one with --loss cross_entropy|mse --labels NAME")
-    params = [t.name for t in model.graph.initializer if is_trainable_initializer(t)]
+    trainable = trained_initializers(model.graph)
+    params = [t.name for t in model.graph.initializer if t.name in trainable]
     g = build_stage_graphs(model, params=params, grad_inputs=(), grad_outputs=(), loss=loss,
                            recompute=False, origin=f"model {model.graph.name or '<model>'}")
     # The reference runs each backward whole whatever the pipeline's schedule: same sums, in micro-batch order.
