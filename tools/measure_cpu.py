@@ -38,6 +38,7 @@ from onnxpipe.ortutil import cpu_session
 from onnxpipe.train.prepare import TrainConfig, prepare_single
 from onnxpipe.train.stage import StageRunner
 from onnxpipe.train.transport import ShmTransport, make_inboxes, sweep_segments
+from onnxpipe.train.worker import keep_freed_memory
 
 SHM_SIZES = (4096, 256 * 1024, 2**20, 4 * 2**20, 16 * 2**20)
 
@@ -622,6 +623,7 @@ def main() -> None:
     part = sys.argv[1] if len(sys.argv) > 1 else "all"
     if part not in PARTS or len(sys.argv) > 2:
         raise SystemExit(f"usage: measure_cpu.py [{'|'.join(PARTS)}]")
+    keep_freed_memory()  # the StageRunners measured here allocate as the executor's workers do
     if part == "all":
         print(f"float32 GEMM, 1 thread: {gemm_flops() / 1e9:.1f} GFLOP/s")
         print(f"memory read, 1 thread: {read_bandwidth() / 1e9:.1f} GB/s")

@@ -35,7 +35,7 @@ from onnxpipe.train.providers import ExecutionDevice, cuda_device_id, ensure_usa
 from onnxpipe.train.ray_placement import Placement, ensure_fits, local_resources
 from onnxpipe.train.ray_transport import ChannelTransport, open_channel
 from onnxpipe.train.stage import StageServer, StageSpec
-from onnxpipe.train.worker import peak_rss_bytes
+from onnxpipe.train.worker import keep_freed_memory, peak_rss_bytes
 
 __all__ = ["RaySession", "StageActor", "RayBackend", "RayPipeline"]
 
@@ -87,6 +87,7 @@ class StageActor:
     for a larger message, remakes) its buffer there through the reader actor."""
 
     def __init__(self, worker: int) -> None:
+        keep_freed_memory()  # an actor's process is its worker's, as a local worker process is
         self.worker = worker
         self._status: tuple[str, int, int] = ("setup", -1, 0)
         self._outgoing: dict[int, Any] = {}
