@@ -8,7 +8,9 @@ the load average when it ran (the cpu targets are this machine's cores, shared w
 Prints the table and rewrites its section of docs/benchmarks.md.
 The zoo models run at pipeline sizes (`KNOBS`: one training step of 30-200 ms on cpu2, stage compute of
 milliseconds per micro-batch); `--knobs model:k=v,k=v` (repeatable) overrides them.
-Run: .venv/bin/python tools/bench_sim.py [--steps N] [--models a,b] [--targets cpu2,cpu4] [--knobs mlp:width=512]
+Run: .venv/bin/python tools/bench_sim.py [--steps N] [--models a,b] [--targets cpu2,cpu4] [--knobs mlp:width=512] [--rows FILE]
+`--rows FILE` splits the benchmark into runs short enough to hold the machine quiet: each run appends its rows
+(JSON lines) to FILE and writes the table of every row FILE holds, so running it once per model builds the whole table.
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
     quiet = simulate_plan(saved, tgt, schedule=schedule, microbatches=m)
     loaded = simulate_plan(saved, tgt, schedule=schedule, microbatches=m, background=others)
     return {
+        "model": model_name,
+        "knobs": knobs,
+        "steps": steps,
         "case": f"{model_name} {target} k={len(saved.stages)} m={m} {schedule}",
         "load": (load + os.getloadavg()[0]) / 2,
         "background": others,
@@ -189,6 +194,7 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--repeat", type=int, default=2, help="training runs per case (each its own row: the spread is the noise)")
     parser.add_argument("--knobs", action="append", default=[], help="zoo knobs for one model, model:k=v,k=v (repeatable); overrides KNOBS")
+    parser.add_argument("--rows", help="JSON lines file: keep its rows from earlier runs, append this run's, table them all")
     args = parser.parse_args()
     given = parse_knobs(args.knobs)
     knobs = {name: {**KNOBS.get(name, {}), **given.get(name, {})} for name in args.models.split(",")}
@@ -201,17 +207,34 @@ def main() -> None:
                         try:
                             rows.append(measure(model_name, knobs[model_name], target, schedule, args.steps, Path(tmp)))
                             print(rows[-1], flush=True)
+                            if args.rows:
+                                with open(args.rows, "a") as f:
+                                    f.write(json.dumps({**rows[-1], "repeat": args.repeat}) + "\n")
                         except OnnxpipeError as exc:
                             failures.append(f"{model_name} {target} {schedule}: {exc}")
                             print(failures[-1], flush=True)
+                            if args.rows:
+                                with open(args.rows, "a") as f:
+                                    f.write(json.dumps({"failure": failures[-1]}) + "\n")
+    if args.rows:
+        saved = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
+        rows, failures = [r for r in saved if "failure" not in r], [r["failure"] for r in saved if "failure" in r]
+        knobs = {r["model"]: r["knobs"] for r in rows}
+    names = list(dict.fromkeys(r["model"] for r in rows)) or args.models.split(",")
+    steps = sorted({r["steps"] for r in rows}) or [args.steps]
+    repeats = sorted({r.get("repeat", args.repeat) for r in rows}) or [args.repeat]
+    if len(steps) > 1 or len(repeats) > 1:
+        raise SystemExit(f"{args.rows}: rows of runs with different --steps {steps} or --repeat {repeats}; table one setting per file")
+    chunked = (f" (run once per model with `--models M --rows FILE`, each run appending its rows to FILE: chunks of under 10 minutes "
+               f"on a machine held quiet; the table is all of FILE's rows)") if args.rows else ""
     within = sum(abs(r["error"]) <= GOAL for r in rows)
     lines = [
         "## Simulator fidelity (predicted vs measured iteration time)",
         "",
-        f"Regenerate: `.venv/bin/python tools/{NAME}.py --steps {args.steps} --repeat {args.repeat} --models {args.models} --targets {args.targets} --schedules {args.schedules}` "
-        f"({os.cpu_count()} vCPUs). Each case is planned (profiled) and trained {args.repeat} times (one row per run: their spread is the measurement noise, profiling included). "
+        f"Regenerate: `.venv/bin/python tools/{NAME}.py --steps {steps[0]} --repeat {repeats[0]} --models {','.join(names)} --targets {args.targets} --schedules {args.schedules}` "
+        f"({os.cpu_count()} vCPUs){chunked}. Each case is planned (profiled) and trained {repeats[0]} times (one row per run: their spread is the measurement noise, profiling included). "
         "Each case: plan with profiled node costs (the cpu targets profile on this machine) and split (the stage directory "
-        f"keeps the plan JSON); `onnxpipe train DIR --json` ({args.steps} steps, worker processes, shared-memory transport, SGD; "
+        f"keeps the plan JSON); `onnxpipe train DIR --json` ({steps[0]} steps, worker processes, shared-memory transport, SGD; "
         "median step after the first) against `onnxpipe simulate` of the saved plan with the same schedule and micro-batches. "
         "Error = simulated / measured - 1; goal |error| <= 15%. Bubble = 1 - sum(busy) / (k x iteration), busy = F + B + W + "
         "optimizer step compute, in both. Load = the 1-minute load average around the training run; background = "
@@ -221,7 +244,7 @@ def main() -> None:
         "(`train --json` per-stage `busy_seconds` against the simulation's).",
         "",
         "Model sizes (zoo knobs, `onnxpipe.models.build(name, train=True, **knobs)`; `--knobs model:k=v,...` overrides): "
-        + "; ".join(f"{name} " + ", ".join(f"{k}={v}" for k, v in knobs[name].items()) for name in args.models.split(",")) + ".",
+        + "; ".join(f"{name} " + ", ".join(f"{k}={v}" for k, v in knobs[name].items()) for name in names) + ".",
         "",
         "| case | load | background | measured ms | simulated quiet ms | error quiet | simulated ms | error | busy error | bubble measured | bubble simulated |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
