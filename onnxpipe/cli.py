@@ -424,7 +424,7 @@ def split(
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
     mode: str = typer.Option(None, "--mode", help=_MODE_HELP),
     max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
-    time_limit: float = typer.Option(None, "--time-limit", help="Seconds the solver may search."),
+    time_limit: float = typer.Option(None, "--time-limit", help="Seconds planning may take in all (default 30); it ends with the best plan found by then."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable, e.g. --dim batch=8."),
     shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
     plan_file: str = typer.Option(None, "--plan", help="Reuse a plan JSON written by `onnxpipe plan` or an earlier split."),
@@ -448,6 +448,9 @@ def split(
     ensure_counts(stages=(stages, 1), batch=(batch, 1), microbatches=(microbatches, 1))
     ensure_finite("--time-limit", time_limit)
     ensure_finite("--max-latency", max_latency)
+    from onnxpipe.plan.deadline import Deadline
+
+    started = Deadline(time_limit) if time_limit is not None else None  # loading the model counts against --time-limit too
     options = {key: value for key, value in {"batch": batch, "microbatches": microbatches, "schedule": schedule, "optimizer": optimizer,
                                               "recompute": recompute, "mode": mode}.items() if value is not None}
     if not plan_file and not target:
@@ -472,9 +475,11 @@ def split(
         from onnxpipe.plan import plan_model
 
         binding = bind_batch(model, parse_dims(dim), batch, microbatches)
-        extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit, "max_latency": max_latency}.items() if value is not None}
-        graph, _, _, plan = plan_model(model, target, dims=binding.dims, ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
-                                       **options, **extra)
+        extra = {key: value for key, value in {"stages": stages, "time_limit": time_limit, "max_latency": max_latency,
+                                                "deadline": started}.items() if value is not None}
+        with err_console.status("planning ...") as status:
+            graph, _, _, plan = plan_model(model, target, dims=binding.dims, ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running,
+                                           progress=lambda text: status.update(escape(text)), **options, **extra)
     if max_latency is not None and (plan_file or cuts):
         ensure_latency(plan, max_latency)
     out = output or str(Path(model).with_name(f"{Path(model).stem}-stages"))
@@ -624,7 +629,7 @@ def plan_command(
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
     mode: str = typer.Option(None, "--mode", help=_MODE_HELP),
     max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
-    time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the solver may search."),
+    time_limit: float = typer.Option(30.0, "--time-limit", help="Seconds the whole command may plan (loading, exploring, solving); it ends with the best plan found by then."),
     compare: bool = typer.Option(False, "--compare", help="Also print every baseline side by side."),
     profile: bool = typer.Option(None, "--profile/--no-profile", help="Measure node times with onnxruntime (default: as the target says)."),
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
@@ -639,6 +644,7 @@ def plan_command(
     from onnxpipe.batching import bind_batch
     from onnxpipe.plan import compare as compare_baselines
     from onnxpipe.plan import faster_stage_count, fits, plan_model
+    from onnxpipe.plan.deadline import Deadline
     from onnxpipe.units import format_bytes
 
     if microbatches is None or microbatches == "auto":
@@ -650,12 +656,13 @@ def plan_command(
     ensure_counts(stages=(stages, 1), batch=(batch, 1))
     ensure_finite("--time-limit", time_limit)
     ensure_finite("--max-latency", max_latency)
+    deadline = Deadline(time_limit)  # the whole command's: loading, annotating, planning and --compare's stage counts
     binding = bind_batch(model, parse_dims(dim), batch, mb if isinstance(mb, int) else None)
-    with console.status("planning ...") as status:
+    with err_console.status("planning ...") as status:  # on stderr, shown on a terminal only
         graph, costs, tgt, plan = plan_model(
             model, target, dims=binding.dims, profile=profile, stages=stages, batch=batch, microbatches=mb, schedule=schedule,
             optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=lambda text: status.update(escape(text)),
-            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running, mode=mode, max_latency=max_latency,
+            ties=parse_ties(tie, untie), shapes_by_running=shapes_by_running, mode=mode, max_latency=max_latency, deadline=deadline,
         )
     print_batch(binding, plan.batch, plan.microbatches)
     print_shared(graph.shared)
@@ -695,7 +702,7 @@ def plan_command(
         console.print(side)
     if compare:
         bound = math.inf if max_latency is None else max_latency
-        faster = faster_stage_count(graph, costs, tgt, plan, recompute, max_latency=bound) if stages is not None else None
+        faster = faster_stage_count(graph, costs, tgt, plan, recompute, max_latency=bound, deadline=deadline) if stages is not None else None
         if faster is not None:
             count = plural(len(faster.stages), "stage")
             console.print(f"note: {count} would be faster (iteration {faster.iteration_seconds * ms:.3f} ms vs {plan.iteration_seconds * ms:.3f} ms); "

@@ -181,11 +181,13 @@ class Target:
     host: HostModel | None = None
 
     def device(self, name: str) -> Device:
-        """The device of a given instance name."""
-        for d in self.devices:
-            if d.name == name:
-                return d
-        raise KeyError(name)
+        """The device of a given instance name (an index built once: pricing asks for every device of a
+        1,000-device target many times)."""
+        index = self.__dict__.get("_device_index")
+        if index is None:
+            index = {d.name: d for d in self.devices}
+            object.__setattr__(self, "_device_index", index)
+        return index[name]
 
     def groups(self) -> dict[str, tuple[Device, ...]]:
         """Device instances by group, in file order."""

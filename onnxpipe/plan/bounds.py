@@ -12,10 +12,15 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from onnxpipe.plan.chainbound import chain_bound
+from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import state_bytes
 
 __all__ = ["LowerBound", "lower_bound", "Bounds"]
+
+#: Share of the planning budget one stage count's chain bound may take (its bisection stops there with a
+#: weaker, still valid bound): exploring prices up to a few dozen stage counts.
+_CHAIN_SHARE = 0.03
 
 
 @dataclass(frozen=True)
@@ -45,20 +50,24 @@ class LowerBound:
 
 class Bounds:
     """The lower bounds of one problem by stage count, each found once: solving and exploring price many
-    plans of one problem, every priced plan carries its bound, and the chain bound's DP is the costly part."""
+    plans of one problem, every priced plan carries its bound, and the chain bound's DP is the costly part.
+    Under a `deadline`, each stage count's chain bound takes at most `_CHAIN_SHARE` of the budget."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, deadline: Deadline | None = None) -> None:
         self.problem = problem
+        self.deadline = deadline
         self._found: dict[tuple[int, bool], LowerBound] = {}
 
     def __call__(self, stages: int, replicas: bool = True) -> LowerBound:
         if (stages, replicas) not in self._found:
-            self._found[stages, replicas] = lower_bound(self.problem, stages, replicas)
+            within = self.deadline.within(_CHAIN_SHARE) if self.deadline is not None else None
+            self._found[stages, replicas] = lower_bound(self.problem, stages, replicas, within)
         return self._found[stages, replicas]
 
 
-def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBound:
-    """Bounds for plans of `stages` stages (replicated stages may use every device when `replicas`)."""
+def lower_bound(problem: Problem, stages: int, replicas: bool = True, deadline: Deadline | None = None) -> LowerBound:
+    """Bounds for plans of `stages` stages (replicated stages may use every device when `replicas`); the chain
+    bound stops at `deadline` with the best bound it has proven."""
     work = problem.forward + problem.backward
     counts = np.array([len(d) for d in problem.group_devices])
     usable = problem.device_count if replicas else stages
@@ -70,7 +79,7 @@ def lower_bound(problem: Problem, stages: int, replicas: bool = True) -> LowerBo
     return LowerBound(
         work_seconds=_work_bound(work, counts, usable),
         node_seconds=node,
-        chain_seconds=chain_bound(problem, stages, replicas),
+        chain_seconds=chain_bound(problem, stages, replicas, deadline),
         memory_bytes=max(per_node, spread),
         capacity_bytes=float(np.max(problem.capacity)),
     )

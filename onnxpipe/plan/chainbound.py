@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
 
 __all__ = ["Segments", "segments", "chain_bound"]
@@ -111,20 +112,28 @@ def _cut(ancestors: list[int], dropped: int) -> Segments:
     return Segments(of=np.where(kept, index, -1), count=int(index[kept].max()) + 1)
 
 
-def chain_bound(problem: Problem, stages: int, replicas: bool = True) -> float:
-    """Least bottleneck (seconds per micro-batch) of the chain relaxation; 0 when no walk fits."""
+def chain_bound(problem: Problem, stages: int, replicas: bool = True, deadline: Deadline | None = None) -> float:
+    """Least bottleneck (seconds per micro-batch) of the chain relaxation; 0 when no walk fits. When `deadline`
+    passes, the bisection's lower end so far: every bottleneck below it was proven infeasible, so it is a bound."""
     chain = _Chain(problem, segments(problem), replicas)
     high = min(chain.total(g) for g in range(len(chain.counts)))
-    if not _feasible(chain, stages, high):
-        return 0.0
     low = 0.0
-    while high - low > _PRECISION * high:
-        mid = (low + high) / 2
-        if _feasible(chain, stages, mid):
-            high = mid
-        else:
-            low = mid
+    try:
+        if not _feasible(chain, stages, high, deadline):
+            return 0.0
+        while high - low > _PRECISION * high:
+            mid = (low + high) / 2
+            if _feasible(chain, stages, mid, deadline):
+                high = mid
+            else:
+                low = mid
+    except _OutOfTime:
+        pass
     return low
+
+
+class _OutOfTime(Exception):
+    """The deadline passed inside a feasibility check (its answer unknown)."""
 
 
 class _Chain:
@@ -218,8 +227,9 @@ class _Chain:
 _MIXED = -2
 
 
-def _feasible(chain: _Chain, stages: int, t: float) -> bool:
-    """Some walk of exactly `stages` stages within the device counts covers every segment in time t."""
+def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = None) -> bool:
+    """Some walk of exactly `stages` stages within the device counts covers every segment in time t
+    (`_OutOfTime` when `deadline` passes first: it is read once per state of the walk)."""
     devices = sum(chain.counts)
     groups = range(len(chain.counts))
     mixes = _mixes(chain) if len(chain.counts) > 1 and max(chain.most) > 1 else ()
@@ -233,6 +243,8 @@ def _feasible(chain: _Chain, stages: int, t: float) -> bool:
                 nxt[used, label] = y
 
         for (used, last), x in level.items():
+            if deadline is not None and deadline.passed():
+                raise _OutOfTime
             later = min(float(chain.m), math.floor(x) + 1.0) if last != -1 else x
             for g in groups:
                 start = x if last in (-1, g) else later

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
-from onnxpipe.plan.layout import Layout
+from onnxpipe.plan.layout import Layout, replica_choices
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, recomputed_backward, state_bytes
 
@@ -134,7 +134,7 @@ class _Model:
         for p, c in sorted(edges):
             cp.Add(stage[p] <= stage[c])
         # Per stage: one (group, replicas) choice and a recompute flag.
-        self.options = [(g, r) for g in range(len(counts)) for r in range(1, min(counts[g], most) + 1)]
+        self.options = [(g, r) for g in range(len(counts)) for r in replica_choices(counts[g], most)]
         self.y = [[cp.NewBoolVar("") for _ in self.options] for _ in range(k)]
         for s in range(k):
             cp.AddExactlyOne(self.y[s])
@@ -247,7 +247,10 @@ class _Model:
         return _ceil(message_seconds(problem.latency[source, dest], self.blocks.nbytes[t], replicas, problem.bandwidth[source, dest]) * _NS)
 
     def hint(self, layout: Layout) -> None:
+        """Warm-start from `layout`; none when its replica counts are not among the model's (`replica_choices`)."""
         cp, k = self.cp, self.k
+        if any((g, r) not in self.options for g, r in zip(layout.groups, layout.replicas)):
+            return
         for b, s0 in enumerate(layout.block_stage):
             for s in range(k):
                 cp.AddHint(self.x[b][s], int(s == s0))

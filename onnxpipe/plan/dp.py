@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks
-from onnxpipe.plan.layout import Layout
+from onnxpipe.plan.deadline import Deadline
+from onnxpipe.plan.layout import Layout, replica_choices
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, seconds_per_microbatch, state_bytes
 
@@ -75,8 +76,10 @@ def solve_dp(
     replicas: bool = True,
     in_order: bool = False,
     table: Intervals | None = None,
+    deadline: Deadline | None = None,
 ) -> Layout | None:
-    """The best interval partition into `stages` stages, or None when none fits in memory.
+    """The best interval partition into `stages` stages, or None when none fits in memory (or the deadline
+    passes first: it is read once per stage).
 
     `in_order` places stages on devices in target order (a planner blind to heterogeneity)."""
     table = table or intervals(blocks)
@@ -91,6 +94,8 @@ def solve_dp(
     current = {((0,) * len(counts), -1): (start, np.zeros(nb + 1, dtype=np.int64))}
     cache: dict = {}
     for s in range(stages):
+        if deadline is not None and deadline.passed():
+            return None
         nxt: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray, list]] = {}
         for (used, gp), (best, _) in current.items():
             if not np.isfinite(best).any():
@@ -125,7 +130,7 @@ def _choices(counts: tuple[int, ...], used: tuple[int, ...], spare: int, replica
     for g, (c, u) in enumerate(zip(counts, used)):
         if in_order and any(uu < cc for uu, cc in zip(used[:g], counts[:g])):
             break
-        for r in range(1, (min(c - u, spare) if replicas else min(1, c - u)) + 1):
+        for r in replica_choices(c, min(c - u, spare) if replicas else min(1, c - u)):
             yield g, r
 
 

@@ -11,7 +11,12 @@ from onnxpipe.plan.coarsen import Blocks
 from onnxpipe.pricing.stage import Assignment
 from onnxpipe.pricing.problem import Problem
 
-__all__ = ["Layout", "to_assignment"]
+__all__ = ["Layout", "to_assignment", "replica_choices", "EXACT_REPLICAS"]
+
+#: Groups up to this many devices may give a stage any replica count; a larger group of identical devices
+#: (interchangeable: same kind, same links) gives stages multiples of count / EXACT_REPLICAS devices, so
+#: the DP and CP-SAT choose among as many counts for 1,000 devices as for 32.
+EXACT_REPLICAS = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,3 +40,13 @@ def to_assignment(problem: Problem, blocks: Blocks, layout: Layout) -> Assignmen
         taken[g] += r
     stages = tuple(tuple(problem.nodes[i] for i in np.flatnonzero(node_stage == s)) for s in range(k))
     return Assignment(stages=stages, devices=tuple(devices), recompute=tuple(bool(x) for x in layout.recompute))
+
+
+def replica_choices(count: int, most: int) -> tuple[int, ...]:
+    """The replica counts a stage may take from a group of `count` devices, at most `most`: every count
+    up to EXACT_REPLICAS devices; above, multiples of ceil(count / EXACT_REPLICAS) and `most` itself."""
+    most = min(count, most)
+    if count <= EXACT_REPLICAS:
+        return tuple(range(1, most + 1))
+    unit = -(-count // EXACT_REPLICAS)
+    return tuple(sorted({*range(unit, most + 1, unit), most})) if most >= 1 else ()

@@ -16,7 +16,8 @@ from onnxpipe.initializers import TieChoice
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.evaluate import fits, within
-from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices
+from onnxpipe.plan.deadline import Deadline
+from onnxpipe.plan.explore import by_stage_count, candidate, explore, microbatch_choices, stage_counts
 from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.plan.result import Plan
 from onnxpipe.plan.solve import latency_message, solve
@@ -28,6 +29,10 @@ from onnxpipe.units import plural
 __all__ = ["plan", "plan_model", "choose_mode", "compare", "faster_stage_count"]
 
 _RECOMPUTE = ("auto", "always", "never")
+#: Shares of the planning budget: exploring configurations or stage counts stops at the first; solving the
+#: winner stops at the second, leaving the rest to what follows (several stages per device under auto).
+_EXPLORE_SHARE = 0.5
+_SOLVE_SHARE = 0.9
 
 
 def plan(
@@ -46,6 +51,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     mode: str = "training",
     max_latency: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
     """Partition and place the graph on the target: the least predicted iteration time among the solver's
     plans (least bottleneck stage time per micro-batch) and every baseline of as many stages.
@@ -60,9 +66,15 @@ def plan(
     plan reports its latency; `max_latency` (seconds) takes only plans whose latency is within it, else
     fails naming the least latency found. A schedule that gives each device several stages (interleaved, zb-v) is
     planned by `plan.virtual` (`stages` counts them all, default v per device); auto prices those too, at
-    the winner's devices and micro-batches."""
+    the winner's devices and micro-batches.
+
+    `time_limit` bounds the whole of planning: one `deadline` (default: `time_limit` seconds from now) is
+    shared by exploring, pricing the stage counts (`explore.stage_counts`: a ladder above 32 devices), the
+    bounds, the DP, CP-SAT and refinement; each stops there with the best plan found so far (exploring
+    stops at `_EXPLORE_SHARE` of it, leaving the rest to solve the winner)."""
     devices = len(target.devices)
     _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
+    deadline = deadline or Deadline(time_limit)
     if max_latency is not None and mode != "inference":
         raise OnnxpipeError("--max-latency bounds an inference pipeline's latency; add --mode inference")
     if schedule != "auto" and virtual(schedule) > 1:
@@ -72,7 +84,7 @@ def plan(
             raise OnnxpipeError(f"--microbatches auto explores the schedules of one stage per device; pass a count with --schedule {schedule}")
         m = microbatches or 2 * ((stages or virtual(schedule) * devices) // virtual(schedule))
         return plan_virtual(graph, costs, target, schedule=schedule, stages=stages, batch=batch or graph.batch * m, microbatches=m,
-                            optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=progress)
+                            optimizer=optimizer, recompute=recompute, time_limit=time_limit, progress=progress, deadline=deadline)
     exploring = schedule == "auto" or microbatches == "auto"
     k = stages or devices
     m = microbatches if isinstance(microbatches, int) else 2 * k
@@ -85,17 +97,18 @@ def plan(
         if batch % m:
             raise OnnxpipeError(f"batch {batch} does not split into {m} micro-batches; pick a divisor of the batch for --microbatches")
         if stages is None:
-            return _fastest_stage_count(base, devices, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress)
+            return _fastest_stage_count(base, devices, recompute=recompute, replicas=replicas, deadline=deadline, progress=progress)
         # Ranked by iteration time (what the user pays), so no baseline of k stages, priced beside it, is faster.
-        return solve(base, k, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, by_iteration=True)
+        return solve(base, k, recompute=recompute, replicas=replicas, deadline=deadline, progress=progress, by_iteration=True)
     candidates, winner, winner_stages, priced = explore(
         base,
-        [stages] if stages else list(range(1, devices + 1)),
+        [stages] if stages else list(stage_counts(devices)),
         list(SCHEDULES) if schedule == "auto" else [schedule],
         microbatch_choices(batch) if microbatches == "auto" else [m],
         recompute=recompute,
         replicas=replicas,
         progress=progress,
+        deadline=deadline.until(_EXPLORE_SHARE),
     )
     if winner is None or winner_stages is None:
         slow = [c.latency_seconds for c in candidates if c.note.startswith("latency")]
@@ -103,15 +116,16 @@ def plan(
             raise OnnxpipeError(latency_message(base, slow, stages))
         first = candidates[0].note if candidates else "nothing to try"
         raise OnnxpipeError(f"no explored configuration fits ({first}); try --recompute always, a target with more memory, or a larger batch")
-    best = solve(winner, winner_stages, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, also=priced, by_iteration=True)
+    best = solve(winner, winner_stages, recompute=recompute, replicas=replicas, deadline=deadline.until(_SOLVE_SHARE), progress=progress,
+                 also=priced, by_iteration=True)
     if schedule == "auto" and mode == "training":
-        more = _several_per_device(graph, costs, target, best, recompute=recompute, time_limit=time_limit, progress=progress)
+        more = _several_per_device(graph, costs, target, best, recompute=recompute, deadline=deadline, progress=progress)
         fastest = min([best, *(p for p in more if fits(p))], key=lambda p: p.iteration_seconds)
         return dataclasses.replace(fastest, explored=(*candidates, *(candidate(p) for p in more)))
     return dataclasses.replace(best, explored=candidates)
 
 
-def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, *, recompute: str, time_limit: float,
+def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, *, recompute: str, deadline: Deadline,
                         progress: Callable[[str], None] | None) -> list[Plan]:
     """The schedules that give each device several stages (interleaved 1F1B, ZB-V), planned on as many devices as
     `best` uses at its micro-batch count, where they apply (one device type, no replicas, micro-batches that fit
@@ -121,12 +135,13 @@ def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, 
         return []
     found = []
     for name, (_, v) in TABLES.items():
-        if v > 1 and (name != "interleaved" or best.microbatches % k == 0):
+        if v > 1 and (name != "interleaved" or best.microbatches % k == 0) and not deadline.passed():
             if progress:
                 progress(f"exploring {name}, {plural(best.microbatches, 'micro-batch')}, {plural(v * k, 'stage')} on {plural(k, 'device')}")
             try:
                 found.append(plan_virtual(graph, costs, target, schedule=name, stages=v * k, batch=best.batch, microbatches=best.microbatches,
-                                          optimizer=best.optimizer, recompute=recompute, time_limit=time_limit, progress=progress))
+                                          optimizer=best.optimizer, recompute=recompute, time_limit=deadline.seconds, progress=progress,
+                                          deadline=deadline))
             except OnnxpipeError:  # no cut into v x k stages fits (or there are fewer nodes): the others stand
                 continue
     return found
@@ -177,12 +192,13 @@ def compare(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: s
 
 
 def faster_stage_count(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True,
-                       max_latency: float = math.inf) -> Plan | None:
+                       max_latency: float = math.inf, deadline: Deadline | None = None) -> Plan | None:
     """The fastest plan at another stage count (the DP's or a baseline's, under the plan's batch,
-    micro-batches and schedule, within `max_latency`) when it beats the plan's predicted iteration time; None otherwise."""
+    micro-batches and schedule, within `max_latency`) when it beats the plan's predicted iteration time; None otherwise.
+    Stage counts after `deadline` passes are left out."""
     problem = _problem_of(graph, costs, target, plan, max_latency)
-    counts = [k for k in range(1, min(len(target.devices), problem.n) + 1) if k != len(plan.stages)]
-    found = [p for plans in by_stage_count(problem, counts, recompute, replicas).values() for p in plans]
+    counts = [k for k in stage_counts(min(len(target.devices), problem.n)) if k != len(plan.stages)]
+    found = [p for plans in by_stage_count(problem, counts, recompute, replicas, deadline=deadline).values() for p in plans]
     best = min((p for p in found if within(problem, p)), key=lambda p: p.iteration_seconds, default=None)
     return best if best is not None and best.iteration_seconds < plan.iteration_seconds * (1 - 1e-9) else None
 
@@ -193,15 +209,15 @@ def _problem_of(graph: Graph, costs: Costs, target: Target, plan: Plan, max_late
 
 
 def _fastest_stage_count(
-    problem: Problem, devices: int, *, recompute: str, replicas: bool, time_limit: float, progress: Callable[[str], None] | None
+    problem: Problem, devices: int, *, recompute: str, replicas: bool, deadline: Deadline, progress: Callable[[str], None] | None
 ) -> Plan:
-    """Price every stage count with the DP and the baselines, solve the fastest count with CP-SAT and keep
-    the plan of least iteration time at that count: no baseline, at any stage count, is predicted faster."""
-    if progress:
-        progress("pricing every stage count")
-    bounds = Bounds(problem)
-    solve_at = functools.partial(solve, problem, recompute=recompute, replicas=replicas, time_limit=time_limit, progress=progress, bounds=bounds)
-    fitting = by_stage_count(problem, range(1, min(devices, problem.n) + 1), recompute, replicas, bounds)
+    """Price the stage counts (`stage_counts`) with the DP and the baselines until `_EXPLORE_SHARE` of the
+    deadline, solve the fastest count with CP-SAT and keep the plan of least iteration time at that count:
+    no baseline, at any stage count priced, is predicted faster."""
+    bounds = Bounds(problem, deadline)
+    solve_at = functools.partial(solve, problem, recompute=recompute, replicas=replicas, deadline=deadline,
+                                 progress=progress, bounds=bounds)
+    fitting = by_stage_count(problem, stage_counts(min(devices, problem.n)), recompute, replicas, bounds, deadline.until(_EXPLORE_SHARE), progress)
     found = {k: [p for p in plans if within(problem, p)] for k, plans in fitting.items()}
     priced = [p for plans in found.values() for p in plans]
     if not priced:

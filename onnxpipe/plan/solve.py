@@ -25,10 +25,11 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds, LowerBound
 from onnxpipe.plan.coarsen import Blocks, coarsen, refine
-from onnxpipe.plan.cpsat import solve_cpsat
+from onnxpipe.plan.cpsat import CpResult, solve_cpsat
+from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, within
-from onnxpipe.plan.layout import Layout, to_assignment
+from onnxpipe.plan.layout import EXACT_REPLICAS, Layout, to_assignment
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.units import format_bytes, plural
@@ -68,50 +69,55 @@ def solve(
     also: Sequence[Plan] = (),
     by_iteration: bool = False,
     bounds: Bounds | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
     """The best plan found for this configuration, with its proven bound and gap on the bottleneck.
 
     `also`: more plans of `stages` stages to choose from; `by_iteration` ranks by predicted iteration
     time first (the plan may then have more than the least bottleneck, and says so in its gap). `bounds`:
-    the problem's lower bounds when the caller has found some already."""
+    the problem's lower bounds when the caller has found some already. `deadline`: the whole planning
+    command's (default: `time_limit` from now); each step stops there with the best plan found so far."""
     report = progress or (lambda _: None)
     started = time.perf_counter()
-    bounds = bounds or Bounds(problem)
+    deadline = deadline or Deadline(time_limit)
+    bounds = bounds or Bounds(problem, deadline)
     bound = bounds(stages, replicas)
     _ensure_some_fit(problem, bound, stages)
     blocks = coarsen(problem, max_blocks or default_blocks(stages, problem.n))
-    report(f"dynamic program over {plural(blocks.count, 'block')}")
-    hint = solve_dp(problem, blocks, stages, recompute, replicas, table=intervals(blocks))
-    found: list[Plan] = []
+    report(f"{plural(stages, 'stage')}: dynamic program over {plural(blocks.count, 'block')}")
+    hint = solve_dp(problem, blocks, stages, recompute, replicas, table=intervals(blocks), deadline=deadline)
+    found: list[Plan] = list(also)
     if hint is not None:
         found.append(evaluate(problem, to_assignment(problem, blocks, hint), replicas=replicas, bounds=bounds))
-    coarsened = blocks.count < problem.n
-    remaining = time_limit - (time.perf_counter() - started)
-    if coarsened:
-        remaining *= 1 - _REFINE_SHARE
-    report(f"CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s")
-    result = solve_cpsat(
-        problem,
-        blocks,
-        stages,
-        recompute=recompute,
-        replicas=replicas,
-        hint=hint,
-        floor_seconds=bound.seconds,
-        ceiling_seconds=found[0].bottleneck_seconds if found else math.inf,
-        time_limit=remaining,
-        progress=lambda value, best: report(f"CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms"),
-    )
+    # Replica counts restricted to `replica_choices` (a large group) limit CP-SAT's search as coarsening does.
+    restricted = replicas and any(len(d) > EXACT_REPLICAS for d in problem.group_devices)
+    coarsened = blocks.count < problem.n or restricted
+    remaining = deadline.remaining() * ((1 - _REFINE_SHARE) if coarsened else 1.0)
+    result = CpResult(None, "UNKNOWN", math.inf, 0.0, 0.0)
+    if remaining > 0:
+        report(f"{plural(stages, 'stage')}: CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s{_best_so_far(problem, found)}")
+        result = solve_cpsat(
+            problem,
+            blocks,
+            stages,
+            recompute=recompute,
+            replicas=replicas,
+            hint=hint,
+            floor_seconds=bound.seconds,
+            ceiling_seconds=found[-1].bottleneck_seconds if hint is not None else math.inf,
+            time_limit=remaining,
+            progress=lambda value, best: report(f"{plural(stages, 'stage')}: CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms"),
+        )
     if result.layout is not None:
         found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
-    report("comparing against baselines")
-    # The baselines of `stages` stages exactly as `compare` reports them, so the plan is never worse than any of them
-    # (data parallelism is one stage on every device: at one stage it counts, across device groups too).
-    found.extend(p for p in baselines(problem, stages, recompute, replicas, bounds=bounds).values() if len(p.stages) == stages)
-    found.extend(also)
+    if not deadline.passed() or _choose(problem, found) is None:
+        report(f"{plural(stages, 'stage')}: comparing against baselines{_best_so_far(problem, found)}")
+        # The baselines of `stages` stages exactly as `compare` reports them, so the plan is never worse than any of them
+        # (data parallelism is one stage on every device: at one stage it counts, across device groups too).
+        found.extend(p for p in baselines(problem, stages, recompute, replicas, bounds=bounds).values() if len(p.stages) == stages)
     start = _choose(problem, found)
-    if coarsened and start is not None:
-        found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, started + time_limit, _REFINE_CP_SHARE * time_limit, report))
+    if coarsened and start is not None and not deadline.passed():
+        found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, deadline, _REFINE_CP_SHARE * deadline.seconds, report))
     best = _choose(problem, found, by_iteration)
     if best is None:
         fitting = [p.latency_seconds for p in found if fits(p)]
@@ -142,7 +148,7 @@ def _refine(
     recompute: str,
     replicas: bool,
     bounds: Bounds,
-    deadline: float,
+    deadline: Deadline,
     cp_seconds: float,
     report: Callable[[str], None],
 ) -> list[Plan]:
@@ -155,24 +161,30 @@ def _refine(
     while True:
         node_stage = _stage_of_nodes(problem, best)
         finer = refine(problem, blocks, node_stage)
-        report(f"refining: dynamic program over {plural(finer.count, 'block')} around the stage cuts")
-        layout = solve_dp(problem, finer, stages, recompute, replicas)
+        report(f"{plural(stages, 'stage')}: refining, dynamic program over {plural(finer.count, 'block')} around the stage cuts{_best_so_far(problem, [best])}")
+        layout = solve_dp(problem, finer, stages, recompute, replicas, deadline=deadline)
         if layout is None:
             break
         found.append(evaluate(problem, to_assignment(problem, finer, layout), replicas=replicas, bounds=bounds))
         if not (within(problem, found[-1]) and found[-1].bottleneck_seconds < best.bottleneck_seconds * (1 - _IMPROVES)):
             break
         best = found[-1]
-        if time.perf_counter() >= deadline:
+        if deadline.passed():
             return found
-    remaining = min(deadline - time.perf_counter(), cp_seconds)
+    remaining = min(deadline.remaining(), cp_seconds)
     if remaining > 0:
-        report(f"refining: CP-SAT over {plural(finer.count, 'block')}, up to {remaining:.0f} s")
+        report(f"{plural(stages, 'stage')}: refining, CP-SAT over {plural(finer.count, 'block')}, up to {remaining:.0f} s{_best_so_far(problem, [best])}")
         result = solve_cpsat(problem, finer, stages, recompute=recompute, replicas=replicas, hint=_layout_of(problem, best, finer, replicas),
                              floor_seconds=bounds(stages, replicas).seconds, ceiling_seconds=best.bottleneck_seconds, time_limit=remaining)
         if result.layout is not None:
             found.append(evaluate(problem, to_assignment(problem, finer, result.layout), replicas=replicas, bounds=bounds))
     return found
+
+
+def _best_so_far(problem: Problem, found: Sequence[Plan]) -> str:
+    """A progress line's tail: the best fitting plan's bottleneck and iteration so far."""
+    best = _choose(problem, list(found))
+    return f" (best so far: bottleneck {best.bottleneck_seconds * 1e3:.3f} ms, iteration {best.iteration_seconds * 1e3:.2f} ms)" if best else ""
 
 
 def _stage_of_nodes(problem: Problem, plan: Plan) -> np.ndarray:

@@ -17,6 +17,7 @@ from onnxpipe.cost import Costs
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.plan.bounds import Bounds
+from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.evaluate import evaluate
 from onnxpipe.plan.result import Plan
 from onnxpipe.plan.solve import solve
@@ -40,6 +41,7 @@ def plan_virtual(
     recompute: str,
     time_limit: float,
     progress: Callable[[str], None] | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
     """The plan of `stages` stages (default: v per device) under a schedule that gives each device v of them."""
     v = sched.virtual(schedule)
@@ -55,8 +57,9 @@ def plan_virtual(
             f"schedule {schedule} needs {v} stages per device: pass --stages a multiple of {v} up to {v * len(target.devices)} (got {count})"
         )
     virtual = build_problem(graph, costs, _split_devices(target, v), batch=batch, microbatches=microbatches, schedule="1f1b", optimizer=optimizer)
-    bounds = Bounds(virtual)
-    cut = solve(virtual, count, recompute=recompute, replicas=False, time_limit=time_limit, progress=progress, bounds=bounds)
+    deadline = deadline or Deadline(time_limit)
+    bounds = Bounds(virtual, deadline)
+    cut = solve(virtual, count, recompute=recompute, replicas=False, deadline=deadline, progress=progress, bounds=bounds)
     names = [d.name for d in target.devices]
     place = sched.placement(schedule, count)
     assignment = Assignment(

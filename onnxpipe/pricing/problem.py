@@ -129,13 +129,17 @@ class Problem:
 
     def allreduce_affine(self, group: int, replicas: int) -> tuple[float, float]:
         """(seconds, seconds per byte) of an all-reduce of gradients over `replicas` devices of a group
-        (none in inference)."""
+        (none in inference). Each is found once per problem: the bounds and solvers ask for every replica
+        count of a group, O(replicas) link look-ups each."""
         if not self.training:
             return 0.0, 0.0
-        devices = self.group_devices[group][:replicas]
-        one = allreduce_seconds(self.target, devices, 1.0)
-        slope = allreduce_seconds(self.target, devices, 2.0) - one
-        return one - slope, slope
+        cache = self.__dict__.setdefault("_allreduce_cache", {})
+        if (group, replicas) not in cache:
+            devices = self.group_devices[group][:replicas]
+            one = allreduce_seconds(self.target, devices, 1.0)
+            slope = allreduce_seconds(self.target, devices, 2.0) - one
+            cache[group, replicas] = (one - slope, slope)
+        return cache[group, replicas]
 
 
 @lru_cache(maxsize=256)

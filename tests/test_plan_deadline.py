@@ -1,0 +1,132 @@
+"""One deadline bounds the whole of planning, and large targets are planned by device group.
+
+The deadline runs on an injected clock that advances one second per reading, so "stops at the deadline"
+is measured in work done (readings of the clock, stage counts priced), never in wall-clock time.
+Targets of 32, 100 and 1,000 identical devices are written as TOML here; their plans must be valid
+(every node placed once, in order, on distinct devices of the target, fitting in memory) with a
+bottleneck no better than the first-principles lower bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from onnxpipe import models
+from onnxpipe.cost import annotate
+from onnxpipe.graph import load
+from onnxpipe.plan import baselines, build_problem, fits, lower_bound, plan
+from onnxpipe.plan.chainbound import chain_bound
+from onnxpipe.plan.deadline import Deadline
+from onnxpipe.plan.explore import stage_counts
+from onnxpipe.plan.layout import EXACT_REPLICAS, replica_choices
+from onnxpipe.target import Target, load_target
+
+
+class Ticks:
+    """A clock that advances one second each time it is read, and remembers how often it was."""
+
+    def __init__(self) -> None:
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return float(self.readings)
+
+
+def cluster(count: int, tmp_path: Path) -> Target:
+    """`count` identical accelerators on one switch, from a TOML string."""
+    path = tmp_path / f"acc{count}.toml"
+    path.write_text(f"""name = "acc{count}"
+description = "{count} identical accelerators on one PCIe switch"
+profile = false
+
+[[devices]]
+name = "acc"
+kind = "fpga"
+count = {count}
+memory = "8 GiB"
+memory_bandwidth = "460 GB/s"
+op_overhead = "5 us"
+
+[devices.peak_flops]
+float32 = "1 TFLOP/s"
+
+[devices.efficiency]
+default = 0.5
+
+[[links]]
+between = ["acc", "acc"]
+bandwidth = "12 GB/s"
+latency = "10 us"
+topology = "pcie"
+""")
+    return load_target(str(path))
+
+
+@pytest.fixture(scope="module")
+def transformer():  # type: ignore[no-untyped-def]
+    graph = load(models.build("transformer-tiny"))
+    return graph, annotate(graph)
+
+
+def _assert_valid(graph, costs, target: Target, p) -> None:  # type: ignore[no-untyped-def]
+    placed = [n for s in p.stages for n in s.nodes]
+    assert sorted(placed) == sorted(graph.compute_nodes)
+    stage_of = {n: s.index for s in p.stages for n in s.nodes}
+    assert all(stage_of[a] <= stage_of[b] for a, b in graph.dag.edges() if a in stage_of and b in stage_of)
+    devices = [d for s in p.stages for d in s.devices]
+    assert len(devices) == len(set(devices)) and set(devices) <= {d.name for d in target.devices}
+    assert fits(p)
+    problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches, schedule=p.schedule, optimizer=p.optimizer)
+    bound = lower_bound(problem, len(p.stages)).seconds
+    assert bound > 0 and bound <= p.bottleneck_seconds * (1 + 1e-9)
+    assert p.lower_bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+
+
+def test_planning_stops_at_the_deadline_in_work_done(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """On 32 devices, planning with a budget of a few clock readings prices fewer stage counts than one with
+    more, reads the clock only a handful of times once the deadline has passed, and still returns a valid plan."""
+    graph, costs = transformer
+    target = cluster(32, tmp_path)
+    priced, after = {}, {}
+    for budget in (5, 60):
+        clock = Ticks()
+        p = plan(graph, costs, target, microbatches=8, deadline=Deadline(budget, clock))
+        _assert_valid(graph, costs, target, p)
+        priced[budget] = len(p.explored)
+        after[budget] = clock.readings - (budget + 1)  # the first reading starts the deadline
+    assert priced[5] < priced[60] <= len(stage_counts(32))
+    assert after[5] <= 12, f"{after[5]} clock readings after the deadline passed"
+
+
+def test_the_chain_bound_cut_short_is_still_a_bound(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The chain bound's bisection stops at its deadline with its lower end: never above the full bound."""
+    graph, costs = transformer
+    problem = build_problem(graph, costs, cluster(4, tmp_path), batch=graph.batch * 8, microbatches=8)
+    full = chain_bound(problem, 4)
+    clock = Ticks()
+    cut = chain_bound(problem, 4, deadline=Deadline(30, clock))
+    assert clock.readings > 30  # it ran into the deadline (each state of a walk reads the clock)
+    assert 0 < cut < full
+
+
+@pytest.mark.parametrize("count", [100, 1000])
+def test_large_targets_are_planned_by_device_group(count: int, transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """100 and 1,000 interchangeable devices: stages take replica counts from `replica_choices` (about 32 per
+    group, not one per device), the stage counts priced follow a ladder, and the plan is valid and above the bound."""
+    graph, costs = transformer
+    target = cluster(count, tmp_path)
+    choices = replica_choices(count, count)
+    assert len(choices) <= EXACT_REPLICAS + 1 and choices[-1] == count
+    assert len(stage_counts(count)) < EXACT_REPLICAS + 12
+    clock = Ticks()
+    p = plan(graph, costs, target, microbatches=8, deadline=Deadline(400, clock))
+    _assert_valid(graph, costs, target, p)
+    assert all(len(s.devices) in choices or len(p.stages) == 1 for s in p.stages)
+    # Stage count 1 is priced first: pure data parallelism over every device is never predicted faster.
+    problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches, schedule=p.schedule, optimizer=p.optimizer)
+    everywhere = baselines(problem, 1)["data-parallel"]
+    assert len(everywhere.stages[0].devices) == count
+    assert p.iteration_seconds <= everywhere.iteration_seconds * (1 + 1e-9)
