@@ -9,7 +9,10 @@ GPT-2-XL-shaped zoo model with its weights on disk) planned by `onnxpipe plan` a
 gpu4, hetero, fpga4 with 2, 4 and 8 stages: wall time, solve time, status, gap, peak RSS, and the plan's
 iteration time over each baseline's (priced the same way).
 
-Usage: .venv/bin/python tools/bench_plan.py [--time-limit S] [--models a,b,...] [--exports [--only a,b,...]]
+With --large: the zoo's gpt2 on fpga4 scaled to 32, 100 and 1,000 devices, `onnxpipe plan --time-limit S` as a
+whole process: wall time and peak RSS (the limit bounds the whole command).
+
+Usage: .venv/bin/python tools/bench_plan.py [--time-limit S] [--models a,b,...] [--exports [--only a,b,...]] [--large]
 Prints the table and rewrites its section of docs/benchmarks.md.
 """
 
@@ -53,6 +56,10 @@ EXPORT_TARGETS = ("gpu4", "hetero", "fpga4")
 #: The rows of the last --exports runs, so rerunning some exports keeps the others' (beside the exports).
 EXPORTS_ROWS = EXPORTS_DIR / "bench_plan_rows.json"
 TARGETS = ("fpga4", "gpu4", "hetero")
+LARGE_SECTION = "bench_plan_large"
+#: Device counts of --large, and what a process spends beyond the planning limit (start-up, imports).
+LARGE = (32, 100, 1000)
+_STARTUP_SECONDS = 2.0
 STAGES = (2, 4, 8)
 BIG = "transformer-10k"
 
@@ -150,9 +157,9 @@ def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> st
 
 
 
-def _plan_process(model: Path, target: str, k: int, dims: dict[str, int], out: Path) -> tuple[float, int, str]:
+def _plan_process(model: Path, target: str, options: list[str], dims: dict[str, int], out: Path) -> tuple[float, int, str]:
     """`onnxpipe plan` as a user runs it: (wall seconds or -1 on failure, peak RSS bytes of that process, stderr)."""
-    command = [sys.executable, "-m", "onnxpipe", "plan", str(model), "--target", target, "--stages", str(k), "-o", str(out)]
+    command = [sys.executable, "-m", "onnxpipe", "plan", str(model), "--target", target, *options, "-o", str(out)]
     command += [arg for name, value in dims.items() for arg in ("--dim", f"{name}={value}")]
     with tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
@@ -181,7 +188,7 @@ def run_exports(only: list[str]) -> list[dict]:
                     target = doubled(t, work) if k > len(load_target(t).devices) else t
                     out = work / "plan.json"
                     out.unlink(missing_ok=True)
-                    wall, rss, err = _plan_process(model, target, k, dims, out)
+                    wall, rss, err = _plan_process(model, target, ["--stages", str(k)], dims, out)
                     row = dict(model=name, nodes=len(graph.compute_nodes), target=t, k=k, wall=wall, rss=rss)
                     if wall < 0:
                         row["error"] = (err.strip().splitlines() or ["?"])[-1][:90]
@@ -248,14 +255,84 @@ def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
     return "\n".join(lines)
 
 
+def scaled(target: str, count: int, work: Path) -> str:
+    """A copy of a bundled one-group target with `count` devices, written as TOML."""
+    text = re.sub(r"(?m)^count = \d+", f"count = {count}", Path(load_target(target).source).read_text())
+    text = re.sub(r'(?m)^name = "' + target + '"', f'name = "{target}-{count}"', text)
+    path = work / f"{target}-{count}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def run_large(time_limit: float) -> list[dict]:
+    """`onnxpipe plan gpt2 --target fpga4 scaled to N devices --time-limit T` as whole processes."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = work / "gpt2.onnx"
+        onnx.save(build("gpt2"), str(model))
+        for count in LARGE:
+            out = work / "plan.json"
+            out.unlink(missing_ok=True)
+            wall, rss, err = _plan_process(model, scaled("fpga4", count, work), ["--time-limit", str(time_limit)], {}, out)
+            row = dict(devices=count, wall=wall, rss=rss)
+            if wall < 0:
+                row["error"] = (err.strip().splitlines() or ["?"])[-1][:90]
+            else:
+                plan = Plan.read(out)
+                row.update(stages=len(plan.stages), replicas=max(len(s.devices) for s in plan.stages), tried=len(plan.explored),
+                           ratio=plan.bottleneck_seconds / plan.lower_bound_seconds, iteration=plan.iteration_seconds)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def report_large(rows: list[dict], time_limit: float, load_avg: tuple[float, float]) -> str:
+    lines = [
+        "## Planner on large targets: the time limit bounds the whole command",
+        "",
+        f"Regenerate: `.venv/bin/python tools/bench_plan.py --large --time-limit {time_limit:g}` ({os.cpu_count()} cores, 1-minute load average "
+        f"{load_avg[0]:.1f} at the start and {load_avg[1]:.1f} at the end).",
+        "The zoo's gpt2 on fpga4 with its device count set to 32, 100 and 1,000 (identical U280s, one link type), planned with",
+        "`onnxpipe plan MODEL --target T --time-limit T` as a whole process (imports, loading, costing, planning, writing the plan) at",
+        "its defaults (stage count chosen, 2 x devices micro-batches). `wall`: that process's wall time; `RSS`: its peak resident",
+        "memory; `stages` / `widest`: the plan's stage count and most replicas of a stage; `tried`: stage counts priced before the",
+        "deadline (`explore.stage_counts`); `bottleneck / bound`: over the first-principles lower bound.",
+        "",
+        "| devices | wall s | RSS MiB | stages | widest | tried | bottleneck / bound | iteration ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['devices']} | | | error: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['devices']} | {r['wall']:.1f} | {r['rss'] / 2**20:.0f} | {r['stages']} | {r['replicas']} | {r['tried']} | "
+                     f"{r['ratio']:.3f} | {r['iteration'] * 1e3:.1f} |")
+    ok = [r for r in rows if "error" not in r]
+    in_time = len(ok) == len(rows) and all(r["wall"] <= time_limit + _STARTUP_SECONDS for r in ok)
+    small = len(ok) == len(rows) and all(r["rss"] < 2**30 for r in ok)
+    lines += [
+        "",
+        f"Goals: every run ends within the time limit plus {_STARTUP_SECONDS:g} s of process start-up and model loading: "
+        f"**{'holds' if in_time else 'MISSED'}**; peak RSS under 1 GiB: **{'holds' if small else 'MISSED'}**",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--models", default=",".join(names() + (BIG,)))
     parser.add_argument("--exports", action="store_true", help="plan the real exports in build/exports/ instead of the zoo")
     parser.add_argument("--only", default=",".join(EXPORTS), help="with --exports: which exports")
+    parser.add_argument("--large", action="store_true", help="plan gpt2 on 32, 100 and 1,000 devices: wall time and peak RSS")
     args = parser.parse_args()
     start = os.getloadavg()[0]
+    if args.large:
+        text = report_large(run_large(args.time_limit), args.time_limit, (start, os.getloadavg()[0]))
+        print(text)
+        write_section(LARGE_SECTION, text)
+        return
     if args.exports:
         chosen = [m for m in args.only.split(",") if m]
         rows = run_exports(chosen)
