@@ -157,18 +157,24 @@ def report(rows: list[dict], time_limit: float, load: tuple[float, float]) -> st
 
 
 
+#: Runs a command and prints its peak RSS in KiB. The command is forked from this small process, not from the
+#: benchmark: Linux carries a process's peak RSS across fork and exec, so a child forked straight from a
+#: benchmark holding a model in memory reports the benchmark's peak (2.2 GiB for the zoo's gpt2) as its own.
+_LAUNCHER = ("import os, subprocess, sys; child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+             "_, status, usage = os.wait4(child.pid, 0); print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)")
+
+
 def _plan_process(model: Path, target: str, options: list[str], dims: dict[str, int], out: Path) -> tuple[float, int, str]:
     """`onnxpipe plan` as a user runs it: (wall seconds or -1 on failure, peak RSS bytes of that process, stderr)."""
     command = [sys.executable, "-m", "onnxpipe", "plan", str(model), "--target", target, *options, "-o", str(out)]
     command += [arg for name, value in dims.items() for arg in ("--dim", f"{name}={value}")]
     with tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
-        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage: its peak RSS in KiB
+        launched = subprocess.run([sys.executable, "-c", _LAUNCHER, *command], stdout=subprocess.PIPE, stderr=err, text=True)
         wall = time.perf_counter() - started
-        child.returncode = os.waitstatus_to_exitcode(status)
+        code, rss_kib = (int(x) for x in launched.stdout.split())
         err.seek(0)
-        return (wall if child.returncode == 0 else -1.0), usage.ru_maxrss * 1024, err.read()
+        return (wall if code == 0 else -1.0), rss_kib * 1024, err.read()
 
 
 def run_exports(only: list[str]) -> list[dict]:
