@@ -200,6 +200,7 @@ def measure(name: str, target: str, repeat: int, work: Path) -> dict:
         "case": f"{name} {target} k={k} m={m}", "load": (load_before + os.getloadavg()[0]) / 2, "background": others,
         "measured": measured["samples_per_s"], "quiet": quiet.samples_per_s, "simulated": loaded.samples_per_s,
         "error_quiet": quiet.samples_per_s / measured["samples_per_s"] - 1, "error": loaded.samples_per_s / measured["samples_per_s"] - 1,
+        "overlap": sum(st["busy_seconds"] for st in measured["stages"]) / measured["iteration_seconds"],
         "latency_measured": measured["latency_seconds"], "latency_quiet": quiet.latency_seconds, "latency_simulated": loaded.latency_seconds,
     }
 
@@ -213,14 +214,16 @@ def measured_section(rows: list[dict], failures: list[str], repeat: int, names: 
         "--json` in its own process (worker processes, shared-memory transport; figures are medians of the passes after a warm-up; a pass "
         "is the driver's wall time for it) against `onnxpipe simulate` of the saved plan. Models at bench_sim's sizes (forward only): "
         + ", ".join(names) + ". Error = simulated / measured - 1 of samples/s; goal |error| <= 15%. Background = runnable processes of "
-        "other work while it ran (sampled every 50 ms); simulated quiet: the target alone, simulated: with that background on the cores.",
+        "other work while it ran (sampled every 50 ms); simulated quiet: the target alone, simulated: with that background on the cores. "
+        "Busy / pass: the stages' measured compute seconds over the pass time (above 1: stages computed at the same time, "
+        "micro-batches streaming through them). Latency: micro-batch 0 from the first stage's forward start to the last stage's forward end.",
         "",
-        "| case | load | background | measured samples/s | simulated quiet | error quiet | simulated | error | latency measured ms | simulated quiet | simulated |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | load | background | measured samples/s | simulated quiet | error quiet | simulated | error | busy / pass | latency measured ms | simulated quiet | simulated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['case']} | {r['load']:.1f} | {r['background']:.1f} | {r['measured']:.4g} | {r['quiet']:.4g} | {r['error_quiet']:+.1%} | "
-                     f"{r['simulated']:.4g} | {r['error']:+.1%} | {r['latency_measured'] * 1e3:.3f} | {r['latency_quiet'] * 1e3:.3f} | {r['latency_simulated'] * 1e3:.3f} |")
+                     f"{r['simulated']:.4g} | {r['error']:+.1%} | {r['overlap']:.2f} | {r['latency_measured'] * 1e3:.3f} | {r['latency_quiet'] * 1e3:.3f} | {r['latency_simulated'] * 1e3:.3f} |")
     within = sum(abs(r["error"]) <= GOAL for r in rows)
     lines += ["", f"- within 15%: **{within} of {len(rows)}** (with the measured background), "
                   f"{sum(abs(r['error_quiet']) <= GOAL for r in rows)} of {len(rows)} simulated as on a quiet machine"
