@@ -101,7 +101,7 @@ def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, i
     if symbol is not None and symbol in dims:
         micro = dims[symbol]
         if batch is not None and m and batch != micro * m:
-            raise OnnxpipeError(f"--batch {batch} is not {m} micro-batches of --dim {symbol}={micro}; pass --batch {micro * m} or drop --dim {symbol}")
+            raise OnnxpipeError(f"--batch {batch} is not {plural(m, 'micro-batch')} of --dim {symbol}={micro}; pass --batch {micro * m} or drop --dim {symbol}")
         return BatchBinding(dims, micro, m, symbol, True)
     if symbol is not None:
         if batch is None:
@@ -110,7 +110,7 @@ def bind_batch(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, i
         if not m:
             raise OnnxpipeError(f"--batch {batch} binds the symbolic batch dim '{symbol}' to batch / micro-batches: pass --microbatches M too, or --dim {symbol}=V")
         if batch % m:
-            raise OnnxpipeError(f"--batch {batch} does not split into {m} micro-batches; pick a --batch that --microbatches divides")
+            raise OnnxpipeError(f"--batch {batch} does not split into {plural(m, 'micro-batch')}; pick a --batch that --microbatches divides")
         dims[symbol] = batch // m
         return BatchBinding(dims, batch // m, m, symbol, False)
     if fixed is not None and batch is not None and m and batch != fixed * m:

@@ -144,7 +144,7 @@ def replicate(table: Table, replicas: tuple[int, ...]) -> Table:
     i % replicas[s] == j in the order of the stage's row (and every STEP). A subsequence of a
     deadlock-free order keeps every dependency it had, so the result cannot deadlock either."""
     if len(replicas) != len(table) or min(replicas, default=1) < 1:
-        raise OnnxpipeError(f"replicas {tuple(replicas)}: need one count of at least 1 for each of the {len(table)} stages")
+        raise OnnxpipeError(f"replicas {tuple(replicas)}: need one count of at least 1 for each of the {plural(len(table), 'stage')}")
     return tuple(
         tuple(a for a in row if a.microbatch < 0 or a.microbatch % r == j)
         for row, r in zip(table, replicas)

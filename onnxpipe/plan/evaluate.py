@@ -18,7 +18,7 @@ from onnxpipe.pricing.problem import Problem, schedule_table
 from onnxpipe.pricing.stage import Assignment, StageCost, price
 from onnxpipe.schedule import stage_rows
 from onnxpipe.simulate import simulate
-from onnxpipe.units import format_bytes
+from onnxpipe.units import format_bytes, plural
 
 __all__ = ["Assignment", "evaluate", "fits", "within", "overflow"]
 
@@ -87,7 +87,7 @@ def _gap(objective: float, bound: float) -> float:
 def _ensure_assignment(problem: Problem, assignment: Assignment) -> np.ndarray:
     k = len(assignment.stages)
     if not (k == len(assignment.devices) == len(assignment.recompute)) or k == 0:
-        raise OnnxpipeError(f"an assignment needs nodes, devices and a recompute flag for each of its {k} stages")
+        raise OnnxpipeError(f"an assignment needs nodes, devices and a recompute flag for each of its {plural(k, 'stage')}")
     position = {n: i for i, n in enumerate(problem.nodes)}
     stage_of = np.full(problem.n, -1, dtype=np.int64)
     for s, names in enumerate(assignment.stages):

@@ -237,7 +237,7 @@ def _ensure_options(stages: int | None, devices: int, microbatches: int | str | 
     if stages is not None and stages < 1:
         raise OnnxpipeError(f"--stages {stages}: need at least 1 stage")
     if stages is not None and stages > devices * per_device:
-        raise OnnxpipeError(f"--stages {stages} is more than the target's {devices} devices; use at most {devices * per_device} stages or a larger target")
+        raise OnnxpipeError(f"--stages {stages} is more than the target's {plural(devices, 'device')}; use at most {devices * per_device} stages or a larger target")
     if isinstance(microbatches, str) and microbatches != "auto":
         raise OnnxpipeError(f"--microbatches {microbatches!r}: expected a positive integer or 'auto'")
     if isinstance(microbatches, int) and microbatches < 1:

@@ -230,7 +230,7 @@ def infeasible_message(problem: Problem, bound: LowerBound, stages: int) -> str:
     if need > cap:
         return f"no plan fits: the smallest stage needs {format_bytes(need)} of memory but the largest device holds {format_bytes(cap)}; {fixes}"
     return (
-        f"no plan with {stages} stages fits in memory (largest device {format_bytes(cap)}; every plan needs at least "
+        f"no plan with {plural(stages, 'stage')} fits in memory (largest device {format_bytes(cap)}; every plan needs at least "
         f"{format_bytes(need)} on some device, more once activations are stashed); {fixes}"
     )
 
@@ -248,6 +248,6 @@ def latency_message(problem: Problem, fitting: Sequence[float], stages: int | No
 
 def _ensure_some_fit(problem: Problem, bound: LowerBound, stages: int) -> None:
     if problem.n < stages:
-        raise OnnxpipeError(f"the model has {problem.n} compute nodes, fewer than {stages} stages; use at most {problem.n} stages")
+        raise OnnxpipeError(f"the model has {plural(problem.n, 'compute node')}, fewer than {stages} stages; use at most {problem.n} stages")
     if not bound.fits:
         raise OnnxpipeError(infeasible_message(problem, bound, stages))

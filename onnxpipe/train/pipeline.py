@@ -141,7 +141,7 @@ class Pipeline:
         ensure_gradients(graph.model, None, graph.source)  # before any worker starts
         self.shared = graph.shared
         if batch is not None and batch != graph.batch * m:
-            raise OnnxpipeError(f"--batch {batch} must be {m} micro-batches of the model's batch {graph.batch}: pass --batch {graph.batch * m} or change --microbatches")
+            raise OnnxpipeError(f"--batch {batch} must be {plural(m, 'micro-batch')} of the model's batch {graph.batch}: pass --batch {graph.batch * m} or change --microbatches")
         self._tmp = temp_dir()
         manifest = split(graph, the_plan, self._tmp / "stages", force=True)
         return self._tmp / "stages", manifest

@@ -25,6 +25,7 @@ from onnxpipe.opset import training_opset
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.splitgrad import split_backward
 from onnxpipe.train.stage import StageSpec, Wiring
+from onnxpipe.units import plural
 
 __all__ = ["TrainConfig", "RECOMPUTE", "prepare_stages", "prepare_single", "prepare_inference", "model_inputs", "stage_threads"]
 
@@ -167,7 +168,7 @@ def _model_outputs(stage: Stage) -> tuple[str, ...]:
 
 def _ensure_replicas(layout: Layout, stages: int) -> None:
     if len(layout.replicas) != stages or min(layout.replicas) < 1:
-        raise OnnxpipeError(f"replicas {layout.replicas}: need a count of at least 1 for each of the {stages} stages")
+        raise OnnxpipeError(f"replicas {layout.replicas}: need a count of at least 1 for each of the {plural(stages, 'stage')}")
 
 
 def prepare_single(model: onnx.ModelProto, config: TrainConfig, loss: str | None = None) -> StageSpec:
