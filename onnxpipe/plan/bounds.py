@@ -91,6 +91,8 @@ def _work_bound(work: np.ndarray, counts: np.ndarray, usable: int) -> float:
     if len(counts) == 1:
         return float(work.sum()) / min(usable, int(counts[0]))
     columns, weight = np.unique(np.round(work, 15), axis=1, return_counts=True)
+    if usable >= int(counts.sum()):  # every device is used: one pick (not a walk over every count of every group)
+        return _fractional_makespan(columns, weight, counts)
     best = np.inf
     for picked in itertools.product(*(range(int(c) + 1) for c in counts)):
         if sum(picked) != min(usable, int(counts.sum())):
