@@ -22,6 +22,7 @@ from onnxpipe.chain import check_feeds
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.feeds import index_ranges
 from onnxpipe.manifest import Manifest
+from onnxpipe.plan.result import Plan
 from onnxpipe.simulate import pipeline_latency
 from onnxpipe.target import load_target
 from onnxpipe.train.executor import Executor, InferStats
@@ -138,8 +139,6 @@ def join_microbatches(per_microbatch: Sequence[Mapping[str, np.ndarray]], names:
 
 def _schedule(directory: str | os.PathLike) -> str:
     """The schedule the directory's plan names (its forward-only rows are what ran), 1f1b without a plan."""
-    from onnxpipe.plan.result import Plan
-
     try:
         return Plan.read(Path(directory) / "plan.json").schedule
     except OnnxpipeError:
