@@ -27,6 +27,8 @@ __all__ = ["IndexRange", "read_npz", "index_ranges", "ensure_feed"]
 _MAX_DEFLATE_RATIO = 1100
 #: Array kinds fed to a model: booleans, integers, floats.
 _NUMERIC_KINDS = "biuf"
+#: Ops whose second input indexes their first: a model input read there has a range.
+_INDEXING_OPS = frozenset({"Gather", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 
 
 @dataclass(frozen=True)
@@ -67,27 +69,36 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def index_ranges(directory: str | os.PathLike, manifest: Manifest) -> dict[str, IndexRange]:
     """The range of every integer model input the stages use as an index: the rows of a table a
-    Gather reads (token ids) or the classes a loss scores (labels)."""
+    Gather reads (token ids) or the classes a loss scores (labels). Read off each stage file's nodes and
+    the shapes static inference finds (an initializer's own dims first), so a stage whose other shapes
+    depend on data (a Range) still gives its ranges."""
     from onnx import helper
 
-    from onnxpipe.graph import load
     from onnxpipe.protostream import read_model
+    from onnxpipe.shapes import infer, static_shape
 
     model_inputs = {i.name for i in manifest.inputs}
     ranges: dict[str, IndexRange] = {}
     for stage in manifest.stages:
-        graph = load(read_model(Path(directory) / stage.file))
-        for name in (n for n in graph.inputs if n in model_inputs):
-            for node_name in graph.consumers(name):
-                node = graph.node(node_name)
-                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-                if node.op_type == "Gather" and node.input[1] == name and node.input[0] in graph.tensors:
-                    table = graph.tensors[node.input[0]].shape
-                    axis = int(attrs.get("axis", 0)) % max(len(table), 1)
-                    found = IndexRange(table[axis], f"rows of the table Gather '{node_name}' reads")
-                elif node.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and node.input[1] == name:
-                    found = IndexRange(graph.tensors[node.input[0]].shape[1], f"classes {node.op_type} '{node_name}' scores",
-                                       attrs.get("ignore_index"))
+        model = read_model(Path(directory) / stage.file)
+        graph = model.graph
+        dims = {t.name: tuple(int(d) for d in t.dims) for t in graph.initializer}
+        if not any(n.op_type in _INDEXING_OPS for n in graph.node):
+            continue
+        infos = infer(model).value_info
+
+        def shape(name: str) -> tuple[int, ...] | None:
+            return dims.get(name) or (static_shape(infos[name]) if name in infos else None)
+
+        for node in graph.node:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            for name in (n for n in node.input[1:2] if n in model_inputs):
+                operand = shape(node.input[0])
+                if node.op_type == "Gather" and operand:
+                    axis = int(attrs.get("axis", 0)) % len(operand)
+                    found = IndexRange(operand[axis], f"rows of the table Gather '{node.name}' reads")
+                elif node.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and operand and len(operand) > 1:
+                    found = IndexRange(operand[1], f"classes {node.op_type} '{node.name}' scores", attrs.get("ignore_index"))
                 else:
                     continue
                 if name not in ranges or found.high < ranges[name].high:

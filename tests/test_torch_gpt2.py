@@ -51,3 +51,17 @@ def test_unoptimized_export_trains_after_its_split_to_sequence_is_rewritten() ->
     assert {"SplitToSequence", "SequenceAt"} <= {n.op_type for n in model.graph.node}
     losses = _train("torch_gpt2_unoptimized.onnx", 2, "1f1b", shapes_by_running=True)  # its Range shapes need a run
     np.testing.assert_allclose(losses, REFERENCE["losses"], rtol=1e-5)
+
+
+def test_the_cli_trains_the_unoptimized_export_from_an_npz(tmp_path: Path) -> None:
+    """`onnxpipe train` reads the index ranges of its inputs off the stage files: a stage whose Range shapes
+    static inference cannot tell (this export's) still gives them, so training starts and matches PyTorch."""
+    import subprocess
+    import sys
+
+    np.savez(tmp_path / "data.npz", input_ids=BATCHES["input_ids"].reshape(-1, 16), labels=BATCHES["labels"].reshape(-1, 16))
+    run = subprocess.run([sys.executable, "-m", "onnxpipe", "train", str(DATA / "torch_gpt2_unoptimized.onnx"), "--target", "cpu4", "--stages", "2",
+                          "--batch", str(REFERENCE["batch"]), "--microbatches", "2", "--steps", str(REFERENCE["steps"]), "--lr", str(REFERENCE["lr"]),
+                          "--data", "data.npz", "--shapes-by-running", "--json", "out.json"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(json.loads((tmp_path / "out.json").read_text())["losses"], REFERENCE["losses"], rtol=1e-5)
