@@ -1,5 +1,9 @@
 """onnxpipe: cut ONNX models into balanced pipeline stages and train them as a pipeline."""
 
+from onnxpipe.startup import quiet_until_command
+
+quiet_until_command()  # first: Ctrl-C during the imports below exits the program quietly (never a library's user)
+
 from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load

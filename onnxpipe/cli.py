@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.startup import interrupts_raise
 from onnxpipe.units import plural
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cut ONNX models into balanced pipeline stages and train them as a pipeline.")
@@ -66,6 +67,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        interrupts_raise()  # from here Ctrl-C is a KeyboardInterrupt the command cleans up after
         try:
             with warnings.catch_warnings(), _terminate_as_interrupt():
                 if not _state["debug"]:

@@ -38,6 +38,27 @@ def test_npz_data_is_cut_into_consecutive_batches_that_cycle(tmp_path: Path) -> 
     assert losses[0] == losses[2] and losses[1] == losses[3] and losses[0] != losses[1]
 
 
+@pytest.mark.parametrize("delay", [0.05, 0.3])
+@pytest.mark.parametrize("program", [CLI, [str(Path(sys.executable).with_name("onnxpipe"))]], ids=["python -m", "console script"])
+def test_ctrl_c_while_the_program_still_imports_exits_quietly(tmp_path: Path, delay: float, program: list[str]) -> None:
+    """Ctrl-C before any command runs (onnxpipe and its dependencies still importing) is exit 130 and one
+    line, not the traceback of an interrupted import."""
+    proc = subprocess.Popen([*program, "train", "missing.onnx"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True, preexec_fn=as_in_a_terminal)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    # interrupted (130), or so early the interpreter had no handler yet (killed by SIGINT); a fast start may reach
+    # the command, which refuses the missing model (2) before the signal lands
+    assert proc.returncode in (130, -signal.SIGINT, 2), (proc.returncode, err)
+
+
 @pytest.mark.parametrize("delay", [0.0, 1.0], ids=["while-workers-import", "while-training"])
 def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path, delay: float) -> None:
     onnx.save(models.build("gpt2-tiny", train=True), tmp_path / "gpt2.onnx")
