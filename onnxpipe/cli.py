@@ -908,6 +908,7 @@ def inspect_command(
 
     from rich.table import Table
 
+    from onnxpipe.cost import weight_owners
     from onnxpipe.graph import load
     from onnxpipe.gradients import describe_missing, missing_gradients
     from onnxpipe.units import format_bytes
@@ -921,8 +922,11 @@ def inspect_command(
             info = graph.tensors.get(name)
             io.add_row(kind, name, info.dtype if info else "?", str(list(info.shape)) if info else "?")
     console.print(io)
-    params = graph.parameters
-    console.print(f"weights: {plural(len(params), 'tensor')}, {format_bytes(sum(graph.tensors[p].nbytes for p in params))}")
+    held = {w for mine in weight_owners(graph).values() for w in mine if w in graph.tensors}
+    trained = graph.trained
+    console.print(f"weights: {plural(len(held), 'tensor')}, {format_bytes(sum(graph.tensors[w].nbytes for w in held))} "
+                  f"({len(trained)} trained, {format_bytes(sum(graph.tensors[w].nbytes for w in trained))}; int8 weights, constant fills and "
+                  "normalization statistics are only held)", highlight=False)
     if graph.shared:
         shared = Table("weight", "kind", "decision", "readers (node: module)", title="weights read by several nodes")
         for s in graph.shared:

@@ -77,3 +77,14 @@ def test_frozen_weights_are_held_without_gradients_optimizer_state_or_all_reduce
     # inference holds every weight and trains none
     infer = build_problem(graph, costs, load_target("fpga4"), batch=4, microbatches=1, mode="inference")
     assert infer.params.sum() == trained + frozen
+
+
+def test_inspect_counts_every_weight_at_its_real_bytes_and_says_which_are_trained(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    onnx.save(_frozen_model(), str(tmp_path / "m.onnx"))
+    run = subprocess.run([sys.executable, "-m", "onnxpipe", "inspect", "m.onnx"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    # w_q (512 B int8), the fill (128 B), b (128 B), w2 (1 KiB): 1,792 B held, of which b and w2 (1,152 B) trained
+    assert "weights: 4 tensors, 1.75 KiB (2 trained, 1.12 KiB;" in run.stdout
