@@ -79,6 +79,9 @@ def setup(case: RandomModel, target: Target, data: st.DataObject) -> tuple[Probl
     problem = build_problem(graph, annotate(graph), target, batch=graph.batch * m, microbatches=m,
                             schedule=data.draw(st.sampled_from(("gpipe", "1f1b"))), optimizer=data.draw(st.sampled_from(("sgd", "adam"))),
                             mode=data.draw(st.sampled_from(("training", "training", "inference"))))
+    # some weights frozen (int8 behind a DequantizeLinear, a constant fill): held, without gradients, optimizer state or all-reduce
+    kept = np.array(data.draw(st.lists(st.sampled_from((0.0, 0.5, 1.0)), min_size=problem.n, max_size=problem.n)))
+    problem = dataclasses.replace(problem, trained=problem.trained * kept)
     return problem, min(case.stages, len(target.devices))
 
 
