@@ -831,6 +831,7 @@ def simulate_command(
     microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches per iteration (default: the plan's)."),
     dim: list[str] = typer.Option(None, "--dim", help="BATCH_DIM=V: micro-batches of V (the model's symbolic batch dim), batch = V x micro-batches."),
     json_path: str = typer.Option(None, "--json", help="Write the figures and the timeline as JSON (the names `train --json` uses)."),
+    backend: str = typer.Option("local", "--backend", help="The executor whose costs to predict: local (worker processes, shared memory) or ray (Ray actors and channels: the target's [backends.ray] figures)."),
 ) -> None:
     """Predict one training iteration of a plan: per-device busy and idle time, peak memory, throughput, bubble."""
     from rich.table import Table
@@ -845,7 +846,7 @@ def simulate_command(
     ensure_counts(batch=(batch, 1), microbatches=(microbatches, 1))
     plan = read_plan(plan_path)
     binding, total, m = plan_binding(_readable(plan.model), plan.dims, plan.batch, plan.microbatches, parse_dims(dim), batch, microbatches)
-    sim = simulate_plan(plan, plan_target(plan, target), schedule=schedule, microbatches=m, batch=total)
+    sim = simulate_plan(plan, plan_target(plan, target).for_backend(backend), schedule=schedule, microbatches=m, batch=total)
     print_batch(binding, total, m)
     ms = 1e3
     table = Table(title=f"{plural(len(plan.stages), 'stage')}, {sim.schedule}")

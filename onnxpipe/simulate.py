@@ -19,10 +19,10 @@ arrived. Every directed device pair is one physical link channel: transfers in f
 its bandwidth equally (processor sharing), then pay its latency. On "shm" links (worker processes
 on one host) the sending process does the copying, so it is blocked until its transfer has arrived;
 other links move data in the background (DMA). An "shm" link with the workers' CPU per message
-(`send_overhead`, `send_bandwidth`, `recv_overhead`: measured, tools/measure_cpu.py messages) prices
+(`send_overhead`, `send_bandwidth`, `recv_overhead`, `recv_bandwidth`: measured, tools/measure_cpu.py messages) prices
 the copy as the sender's CPU instead: a SEND takes send_overhead + bytes / send_bandwidth on a core
 and the message arrives its latency (the wake-up) later; a RECV whose message has arrived takes
-recv_overhead on a core before the worker's next action. On a target whose host model has `cores`, the F and B of its cpu
+recv_overhead + bytes / recv_bandwidth on a core before the worker's next action. On a target whose host model has `cores`, the F and B of its cpu
 devices run on that many cores (less what `background` work takes): a worker that becomes
 runnable takes a free core or waits for one, as the OS assigns them (`_Cores`); with the host's
 `time_slice` (measured), a worker that computes through a slice while others wait goes to the back
@@ -394,6 +394,8 @@ class _Run:
         self.message: list[_Key | None] = [None] * n
         #: Transfer key -> start, arrival.
         self.started: dict[_Key, float] = {}
+        #: Bytes of each message sent.
+        self.sent_bytes: dict[_Key, float] = {}
         self.arrived: dict[_Key, float] = {}
         #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
         self.at_step: set[tuple[int, int]] = set()
@@ -490,7 +492,7 @@ class _Run:
         cpu = message_cpu(self.target, *self.link_of(key))
         if cpu is not None:
             self.message[w] = key
-            self.compute(w, cpu.recv_overhead, a.op, a.microbatch)
+            self.compute(w, cpu.recv_seconds(self.sent_bytes.get(key, 0.0)), a.op, a.microbatch)
         else:
             self.events.append(Event(s, "RECV", a.microbatch, self.started[key], self.arrived[key], j))
         return True
@@ -502,6 +504,7 @@ class _Run:
         nbytes = self.stages[s].out_bytes if kind == "F" else self.stages[peer].out_bytes
         src, dst = self.device(w), self.device(self.owner(peer, a.microbatch))
         self.started[key] = self.now
+        self.sent_bytes[key] = nbytes
         cpu = message_cpu(self.target, src, dst)
         if cpu is not None:
             self.message[w] = key

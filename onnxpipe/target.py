@@ -1,9 +1,12 @@
 """Cluster descriptions: devices, links, and for cpu worker processes sharing one host, its host model;
 read from TOML and validated. How long things take on them is `onnxpipe.pricing.timemodel`.
 
-Reading order: the dataclasses `Device`, `Link`, `MessageCpu`, `HostModel`, `Target`, then
+Reading order: the dataclasses `Device`, `Link`, `MessageCpu`, `HostModel`, `BackendCosts`, `Target`, then
 `load_target` (public entry) -> `_read_toml` -> `_parse_target` -> `_parse_device` /
-`_parse_link` -> `_ensure_links` -> `_parse_host`, and the small `_ensure_*` validators at the end.
+`_parse_link` -> `_ensure_links` -> `_parse_host` -> `_parse_backends`, and the small `_ensure_*` validators at the end.
+
+A target's `[backends.NAME]` table holds what an executor backend other than the local one costs on
+its cpu workers (measured; `Target.for_backend` puts them in place of the local transport's figures).
 
 Device instances are expanded from each `[[devices]]` group by its `count` and named
 `f"{group}_{i}"`, i = 0..count-1 in file order: group "u280" with count 4 gives
@@ -26,7 +29,7 @@ from onnxpipe.cost import OP_CLASSES
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.units import UnitError, parse_quantity
 
-__all__ = ["Device", "KernelModel", "GPU_KERNELS", "Link", "MessageCpu", "HostModel", "Target", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
+__all__ = ["Device", "KernelModel", "GPU_KERNELS", "Link", "MessageCpu", "HostModel", "BackendCosts", "Target", "BACKENDS", "DEVICE_KINDS", "DTYPES", "TOPOLOGIES", "bundled_targets", "load_target"]
 
 #: Device kinds a target may hold.
 DEVICE_KINDS = ("gpu", "fpga", "cpu")
@@ -124,16 +127,22 @@ class Link:
 @dataclass(frozen=True)
 class MessageCpu:
     """The CPU worker processes spend per message on an "shm" link (measured): the sender's send_overhead +
-    bytes / send_bandwidth (the copy included) and the receiver's recv_overhead, each on a core before its
-    next action. They replace the sender's wait for bytes / bandwidth; the link's latency is the wake-up."""
+    bytes / send_bandwidth (the copy included) and the receiver's recv_overhead + bytes / recv_bandwidth (inf
+    where the receiver reads in place), each on a core before its next action. They replace the sender's
+    wait for bytes / bandwidth; the link's latency is the wake-up."""
 
     send_overhead: float = 0.0
     send_bandwidth: float = math.inf
     recv_overhead: float = 0.0
+    recv_bandwidth: float = math.inf
 
     def send_seconds(self, nbytes: float) -> float:
         """Seconds of the sender's CPU for one message of `nbytes`."""
         return self.send_overhead + nbytes / self.send_bandwidth
+
+    def recv_seconds(self, nbytes: float) -> float:
+        """Seconds of the receiver's CPU for one message of `nbytes`."""
+        return self.recv_overhead + nbytes / self.recv_bandwidth
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,23 @@ class HostModel:
         return self.messages.get(link.between)
 
 
+#: Executor backends: "local" (worker processes and shared memory, the figures of the devices and links
+#: themselves) and "ray" (Ray actors and Ray's channels, figures from the target's [backends.ray]).
+BACKENDS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class BackendCosts:
+    """What a backend's executor costs on a target's cpu workers, in place of the local backend's figures
+    (measured: tools/measure_ray.py for Ray): per action and per step beyond the nodes (`Device`), and per
+    message on its "shm" links: the hop's wake-up latency and the workers' CPU (`MessageCpu`)."""
+
+    action_overhead: float
+    step_overhead: float
+    latency: float
+    messages: MessageCpu
+
+
 @dataclass(frozen=True)
 class Target:
     """A cluster: its devices in order and the links between them."""
@@ -179,6 +205,26 @@ class Target:
     source: str
     #: The host model of cpu workers sharing one machine; None for a target without one (accelerators).
     host: HostModel | None = None
+    #: Measured costs of the backends other than "local", by name.
+    backends: Mapping[str, BackendCosts] = field(default_factory=dict)
+
+    def for_backend(self, backend: str) -> Target:
+        """This target as `backend`'s executor runs on it: for "local" itself; otherwise its cpu devices'
+        action and step overheads and its "shm" links' latency and CPU per message are the backend's."""
+        if backend not in BACKENDS:
+            raise OnnxpipeError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if backend == "local":
+            return self
+        costs = self.backends.get(backend)
+        if costs is None:
+            raise OnnxpipeError(f"target {self.name} has no measured costs for the {backend} backend; add a [backends.{backend}] table "
+                                f"to its file (tools/measure_ray.py prints one for this machine), or simulate --backend local")
+        devices = tuple(replace(d, action_overhead=costs.action_overhead, step_overhead=costs.step_overhead) if d.kind == "cpu" else d
+                        for d in self.devices)
+        shm = tuple(link for link in self.links if link.topology == "shm")
+        links = tuple(replace(link, latency=costs.latency) if link.topology == "shm" else link for link in self.links)
+        host = replace(self.host or HostModel(), messages={**(self.host.messages if self.host else {}), **{link.between: costs.messages for link in shm}})
+        return replace(self, devices=devices, links=links, host=host)
 
     def device(self, name: str) -> Device:
         """The device of a given instance name (an index built once: pricing asks for every device of a
@@ -247,6 +293,7 @@ _EXAMPLES = {
     "send_overhead": 'send_overhead = "35 us"',
     "send_bandwidth": 'send_bandwidth = "29 GB/s"',
     "recv_overhead": 'recv_overhead = "65 us"',
+    "recv_bandwidth": 'recv_bandwidth = "8 GB/s"',
 }
 
 _GROUP_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]*$")
@@ -284,7 +331,7 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 
 
 def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
-    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice", "switch_cost"), origin, "")
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice", "switch_cost", "backends"), origin, "")
     name = _ensure_str(doc, "name", origin, "")
     description = _ensure_str(doc, "description", origin, "")
     profile = doc.get("profile", False)
@@ -307,8 +354,27 @@ def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
     messages = {link.between: cpu for link, cpu in parsed if cpu is not None}
     return Target(
         name=name, description=description, devices=tuple(devices), links=links, profile=profile, source=source,
-        host=_parse_host(doc, devices, messages, origin),
+        host=_parse_host(doc, devices, messages, origin), backends=_parse_backends(doc, devices, links, origin),
     )
+
+
+def _parse_backends(doc: dict[str, Any], devices: list[Device], links: tuple[Link, ...], origin: str) -> dict[str, BackendCosts]:
+    """The [backends.NAME] tables: only for backends other than "local", on targets with cpu devices."""
+    tables = doc.get("backends", {})
+    _ensure_keys(tables, (), tuple(b for b in BACKENDS if b != "local"), origin, "backends", "backend")
+    if tables and not any(d.kind == "cpu" for d in devices):
+        _fail(origin, "backends", "backend costs are for cpu worker processes; add cpu devices or remove it")
+    out = {}
+    for name, table in tables.items():
+        path = f"backends.{name}"
+        _ensure_keys(table, ("action_overhead", "step_overhead", "latency", *_MESSAGE_CPU), (), origin, path)  # all measured together
+        out[name] = BackendCosts(
+            action_overhead=_ensure_quantity(table, "action_overhead", "time", origin, path, allow_zero=True),
+            step_overhead=_ensure_quantity(table, "step_overhead", "time", origin, path, allow_zero=True),
+            latency=_ensure_quantity(table, "latency", "time", origin, path, allow_zero=True),
+            messages=MessageCpu(**{key: _message_quantity(table, key, origin, path) for key in _MESSAGE_CPU}),
+        )
+    return out
 
 
 def _parse_host(doc: dict[str, Any], devices: list[Device], messages: dict[tuple[str, str], MessageCpu], origin: str) -> HostModel | None:
@@ -418,14 +484,19 @@ def _parse_link(table: Any, origin: str, path: str, counts: Mapping[str, int]) -
 
 
 #: Optional "shm" link keys: the workers' CPU per message.
-_MESSAGE_CPU = ("send_overhead", "send_bandwidth", "recv_overhead")
+_MESSAGE_CPU = ("send_overhead", "send_bandwidth", "recv_overhead", "recv_bandwidth")
 
 
 def _ensure_message_cpu(table: dict[str, Any], origin: str, path: str) -> dict[str, float]:
     given = [key for key in _MESSAGE_CPU if key in table]
     if given and table.get("topology") != "shm":
         _fail(origin, _key(path, given[0]), "only worker processes copying through shared memory spend CPU per message; set topology = \"shm\" or remove it")
-    return {key: _ensure_quantity(table, key, "bandwidth" if key == "send_bandwidth" else "time", origin, path, allow_zero=key != "send_bandwidth") for key in given}
+    return {key: _message_quantity(table, key, origin, path) for key in given}
+
+
+def _message_quantity(table: dict[str, Any], key: str, origin: str, path: str) -> float:
+    bandwidth = key.endswith("_bandwidth")
+    return _ensure_quantity(table, key, "bandwidth" if bandwidth else "time", origin, path, allow_zero=not bandwidth)
 
 
 def _ensure_links(links: tuple[Link, ...], counts: Mapping[str, int], origin: str) -> None:

@@ -297,8 +297,8 @@ def report_messages() -> None:
             print(f"  {side} CPU = {fixed * 1e6:.1f} us + bytes / {rate / 1e9:.1f} GB/s (shm link {side}_overhead, {side}_bandwidth)")
 
 
-def pipeline_overheads(stages: int, steps: int = 40) -> tuple[float, float, float]:
-    """(action, step, hop) costs inside the executor: `stages` worker processes train a perceptron of
+def pipeline_overheads(stages: int, steps: int = 40, backend: str = "local") -> tuple[float, float, float]:
+    """(action, step, hop) costs inside the executor on `backend`: `stages` workers train a perceptron of
     `stages` width-8 layers (kernels of a microsecond or two) on 2 x stages micro-batches, GPipe.
     Action: median F/B duration. Step: median of the step's wall time (driver) minus the span of its
     actions (workers). Hop: median time from a SEND's start to the end of the RECV that was waiting
@@ -310,7 +310,8 @@ def pipeline_overheads(stages: int, steps: int = 40) -> tuple[float, float, floa
 
     model = models.build("mlp", train=True, layers=stages, width=8, in_features=8, classes=4)
     actions, outside, hops = [], [], []
-    with Pipeline(model, f"cpu{stages}", stages=stages, microbatches=2 * stages, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01)) as pipe:
+    with Pipeline(model, f"cpu{stages}", stages=stages, microbatches=2 * stages, schedule="gpipe", optimizer=OptimizerConfig("sgd", lr=0.01),
+                  backend=backend) as pipe:
         source = data_source(pipe, "synthetic")
         for step in range(steps):
             start = time.perf_counter()

@@ -15,7 +15,15 @@ Transports, each a ping-pong between two actors on one local Ray instance (a hop
 Rounds are interleaved (every transport once per round, in rotating order); the figures are medians over
 rounds. The load average before and after is printed and written with the table.
 
-Run: .venv/bin/python tools/measure_ray.py [--rounds N] [--no-doc]
+`--costs` measures instead what the Ray backend costs where the simulator prices the local one, and prints
+the target's [backends.ray] table (`target.BackendCosts`, `simulate --backend ray`):
+- per message, through the backend's own transport (`ray_transport.ChannelTransport`, two actors ping-pong):
+  the sender's thread CPU per send, and the receiver's process CPU per message beyond its sends (its reader
+  thread's wake-up, channel read and copy, and Ray's own threads), fitted as fixed + bytes / rate;
+- per action and per step, and the hop's latency, inside the executor (`measure_cpu.pipeline_overheads`
+  on `--backend ray`: a perceptron of 1-2 us kernels); the latency is the hop less the message CPU above.
+
+Run: .venv/bin/python tools/measure_ray.py [--rounds N] [--no-doc] [--costs]
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ from ray.experimental.channel import Channel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import write_section  # noqa: E402
+from measure_cpu import fit_per_byte, pipeline_overheads  # noqa: E402
+
+from onnxpipe.train.ray_transport import ChannelTransport, open_channel  # noqa: E402
 
 SIZES = (256 * 1024, 4 * 2**20)
 #: Round trips per ping-pong measurement, hops added to the compiled chain.
@@ -164,8 +175,92 @@ def measure(rounds: int) -> dict[tuple[str, int], list[float]]:
     return found
 
 
+# --- the Ray backend's costs (`--costs`) ------------------------------------------------------------
+
+#: Message sizes of the per-message fit (the activations of the bench's models are 64 KiB - 4 MiB).
+COST_SIZES = (4 * 1024, 256 * 1024, 2**20, 4 * 2**20)
+
+
+@ray.remote(max_concurrency=2)
+class TransportPeer:
+    """One end of a ping-pong through `ChannelTransport`, as a stage actor uses it."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def open(self, reader, node: str):
+        self.out = open_channel(ray.get_runtime_context().current_actor, reader, node)
+        return self.out
+
+    def start(self, incoming) -> None:
+        self.transport = ChannelTransport(0, {1: self.out}, [incoming])
+
+    def pingpong(self, nbytes: int, trips: int, first: bool, tag: int) -> tuple[float, float]:
+        """(thread CPU per send, process CPU per message received beyond the sends) over `trips` round trips."""
+        array = np.ones(nbytes // 4, np.float32)
+        sends = 0.0
+        cpu0 = time.process_time()
+        for i in range(trips):
+            if not first:
+                self.transport.recv(f"m{tag}", i)
+            t = time.thread_time()
+            self.transport.send(1, f"m{tag}", i, array)
+            sends += time.thread_time() - t
+            if first:
+                self.transport.recv(f"m{tag}", i)
+        total = time.process_time() - cpu0
+        return sends / trips, (total - sends) / trips
+
+    def stop(self) -> None:
+        self.transport.close()
+
+
+def message_costs(rounds: int, trips: int = 30) -> dict[int, tuple[float, float]]:
+    """Median over rounds of (send CPU, receive CPU) per message, by size."""
+    a, b = TransportPeer.remote(), TransportPeer.remote()
+    node = ray.get(a.node.remote())
+    ab, ba = ray.get([a.open.remote(b, node), b.open.remote(a, node)])
+    ray.get([a.start.remote(ba), b.start.remote(ab)])
+    found: dict[int, list[tuple[float, float]]] = {n: [] for n in COST_SIZES}
+    tag = 0
+    for r in range(rounds + 1):
+        for n in COST_SIZES:
+            tag += 1
+            got = ray.get([a.pingpong.remote(n, trips, True, tag), b.pingpong.remote(n, trips, False, tag)], timeout=120)
+            if r:  # round 0 warms up (channel growth to the size)
+                found[n] += got
+    ray.get([a.stop.remote(), b.stop.remote()])
+    return {n: (statistics.median(s for s, _ in v), statistics.median(c for _, c in v)) for n, v in found.items()}
+
+
+def report_costs(rounds: int) -> None:
+    load0 = os.getloadavg()[0]
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False, _node_ip_address="127.0.0.1")
+    try:
+        points = message_costs(rounds)
+    finally:
+        ray.shutdown()
+    for n, (send, recv) in points.items():
+        print(f"ChannelTransport {n / 1024:.0f} KiB: send CPU {send * 1e6:.1f} us, receive CPU {recv * 1e6:.1f} us")
+    send_fixed, send_rate = fit_per_byte({n: v[0] for n, v in points.items()})
+    recv_fixed, recv_rate = fit_per_byte({n: v[1] for n, v in points.items()})
+    action, step, hop = pipeline_overheads(2, backend="ray")
+    small = min(points)
+    latency = max(0.0, hop - points[small][0] - points[small][1])
+    print(f"executor on Ray, 2 workers, width-8 perceptron: F/B action {action * 1e6:.1f} us, step outside the actions {step * 1e6:.1f} us, "
+          f"hop to a waiting receiver {hop * 1e6:.1f} us")
+    print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print("[backends.ray]")
+    print(f'action_overhead = "{action * 1e6:.0f} us"\nstep_overhead = "{step * 1e6:.0f} us"\nlatency = "{latency * 1e6:.0f} us"')
+    print(f'send_overhead = "{max(send_fixed, 0.0) * 1e6:.0f} us"\nsend_bandwidth = "{send_rate / 1e9:.1f} GB/s"\n'
+          f'recv_overhead = "{max(recv_fixed, 0.0) * 1e6:.0f} us"\nrecv_bandwidth = "{recv_rate / 1e9:.2f} GB/s"')
+
+
 def main(argv: list[str]) -> None:
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 7
+    if "--costs" in argv:
+        report_costs(rounds)
+        return
     load0 = os.getloadavg()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False, _node_ip_address="127.0.0.1")
     try:

@@ -30,7 +30,7 @@ from onnxpipe.initializers import SharedInitializer, TieChoice, untie
 from onnxpipe.manifest import Manifest
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.simulate import Event
-from onnxpipe.target import load_target
+from onnxpipe.target import BACKENDS, load_target
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from onnxpipe.train.data import split_microbatches
 from onnxpipe.train.executor import Executor
@@ -47,8 +47,6 @@ from onnxpipe.units import plural
 
 __all__ = ["Pipeline", "DEFAULT_TARGET", "BACKENDS"]
 
-#: Where the workers run: "local" (this machine, nothing to start) or "ray" (Ray actors, several hosts, GPUs).
-BACKENDS = ("local", "ray")
 #: The target a model is planned on when none is given.
 DEFAULT_TARGET = "cpu2"
 
