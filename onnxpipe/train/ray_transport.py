@@ -5,9 +5,9 @@ message into the receiver's inbox. Within a host a hop is a copy through shared 
 Ray pushes the buffer to the reader's node.
 
 Why channels (tools/measure_ray.py, docs/benchmarks.md): a 256 KiB hop took 0.26 ms through a channel
-against 2.4 ms through the object store (a reference or a method argument). A channel holds one message:
-the writer waits until the reader took the previous one, which its reader thread does at once, so a
-sender never waits on the receiver's schedule. Messages carry their (key, micro-batch), so the order
+against 2.4 ms through the object store (a reference or a method argument). A channel holds one message
+(`CHANNEL_BUFFERS` within a node): the writer waits until the reader took the one written before, which its
+reader thread does as soon as it wakes, so a sender never waits on the receiver's schedule. Messages carry their (key, micro-batch), so the order
 in which a pair's messages arrive does not matter: replicas, tied weights' gradient sums and skip
 connections (one tensor to several stages) are messages like any other.
 
@@ -17,6 +17,9 @@ on 2 cores resnet-tiny's step took 2x the local backend's while the idle actors 
 each. Where writer and reader share a node, the writer first posts a byte on a FIFO there and then writes
 the channel; the reader sleeps in the kernel on the FIFO and reads the channel only once a message is
 coming (it spins at most while the writer copies it in). Between nodes the reader reads as before.
+A channel within a node holds `CHANNEL_BUFFERS` messages: with one, a writer's second message waited for the
+reader thread to wake and take the first (about 1 ms a send on 2 busy cores: resnet-tiny's 4 back-to-back
+sends of a step).
 
 Reading order: `Link` -> `open_channel` -> `_Wake` -> `_Writer` -> `ChannelTransport` (send, recv, ready, close) -> `_Reader`.
 """
@@ -37,11 +40,15 @@ import numpy as np
 import ray
 from ray.exceptions import RayChannelError
 from ray.experimental.channel import Channel  # at import: actors import it on two threads at once otherwise
+from ray.experimental.channel.shared_memory_channel import BufferedSharedMemoryChannel
 
 __all__ = ["ChannelTransport", "Link", "open_channel", "CHANNEL_BYTES"]
 
 #: First buffer size of a channel; Ray grows it when a larger message is written.
 CHANNEL_BYTES = 1 << 20
+#: Buffers of a channel within a node (Ray buffers channels within a node only): a writer waits only when
+#: the reader has not yet read the message written this many messages before.
+CHANNEL_BUFFERS = 4
 
 
 #: Wake-up bytes: a message follows on the channel; the transport closes.
@@ -63,9 +70,9 @@ class Link:
 def open_channel(writer: Any, reader: Any, reader_node: str) -> Link:
     """A channel that `writer` (an actor handle, or None for the driver) writes, read by the actor
     `reader` on node `reader_node`. Must be called in the writer's process."""
-    channel = Channel(writer, [(reader, reader_node)], CHANNEL_BYTES)
     if reader_node != ray.get_runtime_context().get_node_id():
-        return Link(channel, None)
+        return Link(Channel(writer, [(reader, reader_node)], CHANNEL_BYTES), None)
+    channel = BufferedSharedMemoryChannel(writer, [(reader, reader_node)], CHANNEL_BUFFERS, CHANNEL_BYTES)
     path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"onnxpipe-wake-{uuid.uuid4().hex}")
     os.mkfifo(path, 0o600)
     _WRITER_FDS[path] = os.open(path, os.O_RDWR)  # read-write: never blocks, and the FIFO lives until the reader opens it
