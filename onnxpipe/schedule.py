@@ -145,11 +145,20 @@ def replicate(table: Table, replicas: tuple[int, ...]) -> Table:
     deadlock-free order keeps every dependency it had, so the result cannot deadlock either."""
     if len(replicas) != len(table) or min(replicas, default=1) < 1:
         raise OnnxpipeError(f"replicas {tuple(replicas)}: need one count of at least 1 for each of the {plural(len(table), 'stage')}")
-    return tuple(
-        tuple(a for a in row if a.microbatch < 0 or a.microbatch % r == j)
-        for row, r in zip(table, replicas)
-        for j in range(r)
-    )
+    return tuple(worker for row, r in zip(table, replicas) for worker in _dealt(row, r))
+
+
+def _dealt(row: tuple[Action, ...], replicas: int) -> tuple[tuple[Action, ...], ...]:
+    """A row dealt out to its replicas in one pass (not one pass per replica: 1,000 replicas of a row of
+    4,000 actions), every action without a micro-batch (STEP) to each."""
+    out: list[list[Action]] = [[] for _ in range(replicas)]
+    for a in row:
+        if a.microbatch < 0:
+            for worker in out:
+                worker.append(a)
+        else:
+            out[a.microbatch % replicas].append(a)
+    return tuple(tuple(worker) for worker in out)
 
 
 def in_flight(actions: tuple[Action, ...]) -> int:
