@@ -9,8 +9,9 @@ Prints the table and rewrites its section of docs/benchmarks.md.
 The zoo models run at pipeline sizes (`KNOBS`: one training step of 30-200 ms on cpu2, stage compute of
 milliseconds per micro-batch); `--knobs model:k=v,k=v` (repeatable) overrides them.
 Run: .venv/bin/python tools/bench_sim.py [--steps N] [--models a,b] [--targets cpu2,cpu4] [--knobs mlp:width=512] [--rows FILE]
-`--rows FILE` splits the benchmark into runs short enough to hold the machine quiet: each run appends its rows
-(JSON lines) to FILE and writes the table of every row FILE holds, so running it once per model builds the whole table.
+`--rows FILE` splits the benchmark into runs short enough to hold the machine quiet: each run replaces FILE's rows
+(JSON lines) of the models it measures with its own and writes the table of every row FILE holds, so running it once per
+model builds the whole table (and running a model again replaces its rows).
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ NOTE = (
     "cpu4's median busy error to +13.9% / +6.7% (gpipe / 1f1b) but left its median error at -6.6% / -10.4% (cpu2, never "
     "more runnable workers than cores: -3.5% / -2.2%); the cpu targets leave it unset. The host's share of the 2 vCPUs drifts: the same "
     "case measured 20% apart in runs minutes apart, and profiling drifts with it; without the message and switch costs, "
-    "one of two runs gave 62 of 64 within 15% (cpu4 1f1b mlp -17.2%, resnet-tiny -17.7%); with them, two of two gave 64 of 64."
+    "one of two runs gave 62 of 64 within 15% (cpu4 1f1b mlp -17.2%, resnet-tiny -17.7%); with them, two of two gave 64 of 64. "
+    "Workers keep the memory they free (`train.worker.keep_freed_memory`: glibc's mallopt, no mmap per tensor, no trim); before, "
+    "each action faulted in fresh pages for its outputs, gradient sums and optimizer temporaries, which the profile (run in "
+    "onnxruntime's arena) never pays. On a host where a 4 KiB page fault costs 2-3.5 us (this VM, weeks later, 2.4x slower "
+    "throughout) that made mlp cpu2's optimizer step 10 ms instead of 2.5 ms and its backward 3 ms (10%) longer than its "
+    "profile: error -18% / -12% (gpipe / 1f1b), busy error -14% / -8% (one quiet run each)."
 )
 
 
@@ -194,10 +200,14 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--repeat", type=int, default=2, help="training runs per case (each its own row: the spread is the noise)")
     parser.add_argument("--knobs", action="append", default=[], help="zoo knobs for one model, model:k=v,k=v (repeatable); overrides KNOBS")
-    parser.add_argument("--rows", help="JSON lines file: keep its rows from earlier runs, append this run's, table them all")
+    parser.add_argument("--rows", help="JSON lines file: keep its rows of other models from earlier runs (a model run again replaces "
+                                         "its rows), append this run's, table them all")
     args = parser.parse_args()
     given = parse_knobs(args.knobs)
     knobs = {name: {**KNOBS.get(name, {}), **given.get(name, {})} for name in args.models.split(",")}
+    if args.rows and Path(args.rows).exists():
+        kept = [line for line in Path(args.rows).read_text().splitlines() if line.strip() and json.loads(line)["model"] not in knobs]
+        Path(args.rows).write_text("".join(line + "\n" for line in kept))
     rows, failures = [], []
     with tempfile.TemporaryDirectory(prefix="bench-sim-") as tmp:
         for model_name in args.models.split(","):
@@ -215,7 +225,7 @@ def main() -> None:
                             print(failures[-1], flush=True)
                             if args.rows:
                                 with open(args.rows, "a") as f:
-                                    f.write(json.dumps({"failure": failures[-1]}) + "\n")
+                                    f.write(json.dumps({"model": model_name, "failure": failures[-1]}) + "\n")
     if args.rows:
         saved = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
         rows, failures = [r for r in saved if "failure" not in r], [r["failure"] for r in saved if "failure" in r]
@@ -225,8 +235,8 @@ def main() -> None:
     repeats = sorted({r.get("repeat", args.repeat) for r in rows}) or [args.repeat]
     if len(steps) > 1 or len(repeats) > 1:
         raise SystemExit(f"{args.rows}: rows of runs with different --steps {steps} or --repeat {repeats}; table one setting per file")
-    chunked = (f" (run once per model with `--models M --rows FILE`, each run appending its rows to FILE: chunks of under 10 minutes "
-               f"on a machine held quiet; the table is all of FILE's rows)") if args.rows else ""
+    chunked = (f" (run once per model with `--models M --rows FILE`, each run putting its rows in FILE in place of any earlier rows of "
+               f"its model: chunks of under 10 minutes on a machine held quiet; the table is all of FILE's rows)") if args.rows else ""
     within = sum(abs(r["error"]) <= GOAL for r in rows)
     lines = [
         "## Simulator fidelity (predicted vs measured iteration time)",
