@@ -108,7 +108,7 @@ def test_a_model_without_a_loss_is_planned_for_inference_and_refused_training(tm
     assert Plan.read(tmp_path / "plan.json").mode == "inference"
     refused = _plan_cli(served, "--mode", "training", "-o", str(tmp_path / "refused.json"))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
-    assert "has no loss output" in refused.stderr and "--mode inference" in refused.stderr and "onnxpipe train MODEL --loss" in refused.stderr
+    assert "has no loss output" in refused.stderr and "--mode inference" in refused.stderr and "`onnxpipe train` appends one with --loss" in refused.stderr
     assert not (tmp_path / "refused.json").exists()
     run = _plan_cli(trained, "-o", str(tmp_path / "trained.json"))
     assert run.returncode == 0 and "mode: inference" not in run.stdout
@@ -120,6 +120,6 @@ def test_choose_mode_follows_the_loss_unless_one_is_appended() -> None:
     assert (choose_mode(served, None), choose_mode(trained, None)) == ("inference", "training")
     assert choose_mode(served, None, adds_loss=True) == choose_mode(served, "training", adds_loss=True) == "training"
     assert choose_mode(trained, "inference") == "inference"
-    with pytest.raises(OnnxpipeError, match="has no loss output.*, so it cannot be planned for training; plan a forward-only pipeline with --mode inference, "
-                       "or train it with `onnxpipe train MODEL --loss"):
+    with pytest.raises(OnnxpipeError, match="has no loss output.*, so it cannot be trained as it is; `onnxpipe train` appends one with --loss .* "
+                       "and plan or split serve it forward-only with --mode inference"):
         choose_mode(served, "training")

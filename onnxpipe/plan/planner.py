@@ -181,9 +181,8 @@ def choose_mode(graph: Graph, mode: str | None, adds_loss: bool = False) -> str:
         return "training" if trainable else "inference"
     if mode == "training" and not trainable:
         first = f" (its first output '{graph.outputs[0]}' is no scalar loss)" if graph.outputs else ""
-        raise OnnxpipeError(f"model {graph.source!r} has no loss output{first}, so it cannot be planned for training; plan a forward-only "
-                            "pipeline with --mode inference, or train it with `onnxpipe train MODEL --loss cross_entropy|mse --labels OUTPUT=LABELS`, "
-                            "which appends a loss and plans it")
+        raise OnnxpipeError(f"model {graph.source!r} has no loss output{first}, so it cannot be trained as it is; `onnxpipe train` appends "
+                            "one with --loss cross_entropy|mse --labels OUTPUT=LABELS, and plan or split serve it forward-only with --mode inference")
     return mode
 
 
