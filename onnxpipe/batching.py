@@ -20,8 +20,7 @@ from pathlib import Path
 import onnx
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.ortutil import ensure_runtime_loads
-from onnxpipe.protostream import read_header
+from onnxpipe.protostream import read_user_model
 from onnxpipe.units import plural
 
 __all__ = ["BatchBinding", "bind_batch", "plan_binding", "stage_binding", "stage_dims", "model_inputs"]
@@ -64,16 +63,7 @@ def model_inputs(source: str | os.PathLike | onnx.ModelProto) -> Sequence[onnx.V
 
 
 def _header(path: Path) -> onnx.ModelProto:
-    if not path.exists():
-        raise OnnxpipeError(f"{path}: no such file; pass the path of an .onnx model")
-    if not path.is_file():
-        raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
-    try:
-        header = read_header(path)
-    except Exception as exc:  # protobuf raises several unrelated types on garbage
-        raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete") from exc
-    ensure_runtime_loads(header, str(path))
-    return header
+    return read_user_model(path, "pass the path of an .onnx model", "re-export it or check the file is complete", weights=False)
 
 
 def _leading(inputs: Sequence[onnx.ValueInfoProto]) -> tuple[str, str | None, int | None]:

@@ -25,7 +25,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
 from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures, trained_initializers
 from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
-from onnxpipe.protostream import read_model, skeleton, weights_dir
+from onnxpipe.protostream import read_user_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
 from onnxpipe.units import plural
 
@@ -209,18 +209,7 @@ def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
         ensure_runtime_loads(model, "<memory>")
         return model, "<memory>"
     path = Path(source)
-    if not path.exists():
-        raise OnnxpipeError(f"{path}: no such file; pass the path of an .onnx model")
-    if not path.is_file():
-        raise OnnxpipeError(f"{path}: not a file; pass the path of an .onnx model")
-    try:
-        model = read_model(path)
-    except OnnxpipeError:
-        raise
-    except Exception as exc:  # protobuf raises several unrelated types on garbage
-        raise OnnxpipeError(
-            f"{path}: not a readable ONNX model ({type(exc).__name__}); re-export it or check the file is complete"
-        ) from exc
+    model = read_user_model(path, "pass the path of an .onnx model", "re-export it or check the file is complete")
     if not model.graph.node and not model.graph.output:
         raise OnnxpipeError(f"{path}: not an ONNX model (no graph found); pass a model exported to .onnx")
     return model, str(path)

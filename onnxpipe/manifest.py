@@ -206,7 +206,6 @@ def _ensure_stage_file(stage: Stage, directory: Path, fail: Callable[[str], None
     import onnx
     from onnx import helper
 
-    from onnxpipe.ortutil import ensure_runtime_loads
     from onnxpipe.protostream import read_header
     from onnxpipe.safepath import ensure_external_data_inside, inside
 
@@ -220,9 +219,10 @@ def _ensure_stage_file(stage: Stage, directory: Path, fail: Callable[[str], None
             fail(f"stage {stage.index} weights file {stage.data_file} is missing")
     try:
         header = read_header(path)
+    except OnnxpipeError:
+        raise  # a model onnxruntime cannot load, said as read_header says it
     except Exception as exc:  # protobuf raises several unrelated types on garbage
         fail(f"stage {stage.index} file {stage.file} is not a readable ONNX model ({type(exc).__name__})")
-    ensure_runtime_loads(header, str(path))
     ensure_external_data_inside(path, header, fix)
     graph = header.graph
     declared = {vi.name: vi for vi in [*graph.input, *graph.output]}

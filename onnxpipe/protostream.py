@@ -25,10 +25,11 @@ import onnx
 from google.protobuf.message import Message
 from onnx import helper
 
+from onnxpipe.errors import OnnxpipeError
 from onnxpipe.ortutil import ensure_runtime_loads
 from onnxpipe.safepath import ensure_external_data_inside
 
-__all__ = ["read_model", "read_header", "weights_dir", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
+__all__ = ["read_model", "read_header", "read_user_model", "weights_dir", "write_model", "inline_external_data", "load_weights", "skeleton", "is_streamable",
            "is_external", "raw_nbytes", "all_equal", "ON_DISK_BYTES"]
 
 #: Weights larger than this stay on disk when a model is read; smaller ones (shape tables, scalars) are read.
@@ -117,8 +118,25 @@ def weights_dir(path: str | os.PathLike) -> Path:
 def read_header(path: str | os.PathLike) -> onnx.ModelProto:
     """A model file without its weights' bytes (skipped, never read): the graph's nodes, inputs,
     outputs and initializer heads (name, dtype, dims, external-data location) of a model of any size
-    at the cost of its small parts."""
-    return _parse(Path(path), weights=False)
+    at the cost of its small parts. A model onnxruntime cannot load is refused here too."""
+    header = _parse(Path(path), weights=False)
+    ensure_runtime_loads(header, str(path))
+    return header
+
+
+def read_user_model(path: Path, missing: str, unreadable: str, *, weights: bool = True) -> onnx.ModelProto:
+    """`read_model` (or `read_header` without `weights`) of a file the user named, each failure one line:
+    `missing` is the way out for a path that is no file, `unreadable` for bytes that are no model."""
+    if not path.exists():
+        raise OnnxpipeError(f"{path}: no such file; {missing}")
+    if not path.is_file():
+        raise OnnxpipeError(f"{path}: not a file; {missing}")
+    try:
+        return read_model(path) if weights else read_header(path)
+    except OnnxpipeError:
+        raise
+    except Exception as exc:  # protobuf raises several unrelated types on garbage
+        raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); {unreadable}") from exc
 
 
 def _parse(path: Path, weights: bool) -> onnx.ModelProto:

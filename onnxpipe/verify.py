@@ -20,8 +20,8 @@ from onnxpipe.batching import BatchBinding, stage_binding
 from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
-from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
-from onnxpipe.protostream import read_header
+from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session
+from onnxpipe.protostream import read_user_model
 from onnxpipe.quantized import is_quantized
 from onnxpipe.safepath import ensure_external_data_inside
 
@@ -121,14 +121,8 @@ def op_by_op(model_path: str | os.PathLike) -> bool:
 
 
 def _header(path: Path) -> onnx.ModelProto:
-    if not path.is_file():
-        raise OnnxpipeError(f"{path}: no such file; pass the model the stages were split from")
-    try:
-        header = read_header(path)
-    except Exception as exc:  # protobuf raises several unrelated types on garbage
-        raise OnnxpipeError(f"{path}: not a readable ONNX model ({type(exc).__name__}); pass the model the stages were split from") from exc
-    ensure_runtime_loads(header, str(path))
-    return header
+    way_out = "pass the model the stages were split from"
+    return read_user_model(path, way_out, way_out, weights=False)
 
 
 def _original_session(path: Path, optimize: bool) -> object:
