@@ -88,7 +88,8 @@ def units(model: str, costs: Costs) -> list[Unit]:
         _, mark, block = cost.source.partition("#")
         grouped.setdefault(block if mark else name, []).append(cost)
     return [
-        Unit(f"{model}: {key}", tuple(replace(c, measured_seconds=None, measured_backward_seconds=None) for c in members),
+        Unit(f"{model}: {key}", tuple(replace(c, measured_seconds=None, measured_backward_seconds=None, measured_inference_seconds=None)
+                                      for c in members),
              sum(c.measured_seconds or 0.0 for c in members), sum(c.measured_backward_seconds or 0.0 for c in members))
         for key, members in grouped.items()
     ]

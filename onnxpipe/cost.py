@@ -92,6 +92,10 @@ class NodeCost:
     measured_seconds: float | None = None
     #: Median measured backward seconds (profile mode), else None.
     measured_backward_seconds: float | None = None
+    #: Median measured forward seconds as an inference stage runs the node: in an optimized session, its
+    #: share of the fused kernel it became part of (`cost_profile.fused_shares`; profile mode), else None
+    #: (the forward time prices inference too).
+    measured_inference_seconds: float | None = None
     #: Implicit-GEMM shape of a matmul or convolution, which its efficiency depends on: the reduction length K
     #: (input channels per group x kernel size, or the inner dimension) and the output columns N (output
     #: channels, or the last output dimension); 0 for other ops and depthwise convolutions (memory-bound).
@@ -142,13 +146,15 @@ def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int 
     from onnxpipe.cost_profile import execution_provider, profile_times
 
     chosen = execution_provider(device_kind, provider)
-    forward, backward = profile_times(graph, runs=runs, warmup=warmup, provider=chosen)
-    return with_measurements(costs, forward, backward, device_kind, f"profile:{chosen}")
+    forward, backward, inference = profile_times(graph, runs=runs, warmup=warmup, provider=chosen)
+    return with_measurements(costs, forward, backward, device_kind, f"profile:{chosen}", inference)
 
 
-def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapping[str, float], device_kind: str, source: str) -> Costs:
+def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapping[str, float], device_kind: str, source: str,
+                      inference: Mapping[str, float] | None = None) -> Costs:
     """`costs` with measured seconds where `forward` has them (taken on a `device_kind` device, from `source`);
-    a node without a measured backward gets its forward time x its backward/forward FLOP ratio."""
+    a node without a measured backward gets its forward time x its backward/forward FLOP ratio. `inference`:
+    forward times as an optimized inference session runs the nodes, where measured."""
     nodes = {}
     for name, cost in costs.nodes.items():
         fwd = forward.get(name)
@@ -158,7 +164,8 @@ def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapp
             continue
         if bwd is None:
             bwd = fwd * ((cost.backward_flops / cost.flops if cost.flops else 0.0) or 1.0)
-        nodes[name] = replace(cost, measured_seconds=fwd, measured_backward_seconds=bwd, measured_on=device_kind, source=source)
+        nodes[name] = replace(cost, measured_seconds=fwd, measured_backward_seconds=bwd, measured_inference_seconds=(inference or {}).get(name),
+                              measured_on=device_kind, source=source)
     return replace(costs, nodes=nodes, profiled=True)
 
 

@@ -1,12 +1,16 @@
 """Measured node times: the model (and its gradient graph) profiled in onnxruntime with the execution provider
 of the device the stage will run on (one thread on the CPU; `execution_provider` picks it per device kind).
 
-Reading order: `execution_provider`, `ensure_provider` -> `profile_times` -> `_feeds` -> `_profile` (session + JSON trace -> median per node)
+Reading order: `execution_provider`, `ensure_provider` -> `profile_times` -> `_feeds` -> `_profile` (session + JSON trace)
+-> `trace_medians` (median per node) -> `fused_shares` (the optimized run's kernels back on the model's nodes)
 -> `_training_model` (loss + GradientGraphBuilder) -> `backward_by_forward`.
 
 Graph optimizations are off so trace events keep the model's own node names; onnxruntime 1.19
 names gradient nodes `<forward node>_Grad/<op>_<i>`, which maps them back to forward nodes. Forward
 times come from the gradient graph's run where it has the node (training's form of the node).
+Inference stage workers run optimized sessions, which fuse nodes (a convolution with its activation
+and a residual Add, Q/DQ pairs into an int8 kernel) and pick other kernels (NCHWc convolutions):
+a third run, optimized, gives the inference times (`fused_shares`).
 Trace durations are whole microseconds: a kernel faster than that counts as half a microsecond. A run's
 time outside its kernels (the session's per-node work) is shared out over its kernels (`trace_medians`).
 """
@@ -24,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnxpipe.cost_formulas import op_class
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
@@ -34,7 +39,10 @@ from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
 from onnxpipe.units import format_bytes
 
-__all__ = ["profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "own_names", "backward_by_forward"]
+__all__ = [
+    "profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "kernel_ops", "fused_shares", "own_names",
+    "backward_by_forward",
+]
 
 #: Each device kind's own execution provider.
 _KIND_PROVIDERS = {"gpu": "CUDAExecutionProvider", "cpu": CPU_PROVIDER}
@@ -69,9 +77,12 @@ def ensure_provider(provider: str) -> None:
                             f"measured there with `onnxpipe annotate --times FILE`")
 
 
-def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str = CPU_PROVIDER) -> tuple[dict[str, float], dict[str, float]]:
-    """Median forward seconds per compute node, and median backward seconds per forward node that
-    has gradient nodes (empty when no gradient graph can be built), measured with `provider`."""
+def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2,
+                  provider: str = CPU_PROVIDER) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Median forward seconds per compute node, median backward seconds per forward node that has gradient
+    nodes (empty when no gradient graph can be built), and median forward seconds per compute node in an
+    optimized session, as inference runs it (`fused_shares`; empty when onnxruntime cannot optimize the
+    model), measured with `provider`."""
     if runs < 1 or warmup < 0:
         raise OnnxpipeError(f"profile runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
     ensure_provider(provider)
@@ -82,15 +93,19 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     feeds = _feeds(graph)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
-        forward = _profile(model, feeds, tmp, "forward", runs, warmup, provider)
+        forward = trace_medians(_profile(model, feeds, tmp, "forward", runs, warmup, provider), warmup)
+        optimized = _profile(model, feeds, tmp, "inference", runs, warmup, provider, optimize=True)
+        inference = fused_shares(graph, forward, trace_medians(optimized, warmup), kernel_ops(optimized)) if optimized else {}
         training = _training_model(graph, model)
-        trained = own_names(_profile(training, feeds, tmp, "backward", runs, warmup, provider), forward) if training else {}
+        events = _profile(training, feeds, tmp, "backward", runs, warmup, provider) if training else []
+        trained = own_names(trace_medians(events, warmup), forward) if events else {}
     backward = backward_by_forward(trained)
     # Training runs a node's forward in its training form (MaxPool also returning the indices its
     # gradient needs, several times slower): where the gradient graph ran it, that is its forward time.
     forward.update({n: t for n, t in trained.items() if n in forward})
     compute = set(graph.compute_nodes)
-    return {n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute}
+    return ({n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute},
+            {n: t for n, t in inference.items() if n in compute})
 
 
 def ensure_fits_in_memory(graph: Graph, available: int) -> None:
@@ -141,8 +156,10 @@ def _feeds(graph: Graph) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, tag: str, runs: int, warmup: int, provider: str) -> dict[str, float]:
-    """Node name -> median over the measured runs of its summed kernel time in each run."""
+def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, tag: str, runs: int, warmup: int, provider: str,
+             optimize: bool = False) -> list[dict]:
+    """The trace events of `warmup + runs` runs (`optimize`: with onnxruntime's graph optimizations, as stage
+    workers run); empty when onnxruntime fails on a gradient graph or an optimized session (those are optional)."""
     path = os.path.join(tmp, f"{tag}.onnx")
     if model.ByteSize() >= _TWO_GB:
         onnx.save_model(model, path, save_as_external_data=True, location=f"{tag}.onnx.data")
@@ -151,7 +168,7 @@ def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, 
     try:
         threads = 1 if provider == CPU_PROVIDER else 0
         with quiet_stderr():  # a provider whose libraries fail to load logs at error level, then falls back to the CPU
-            session = ort_session(path, provider, threads=threads, optimize=False, profile_prefix=os.path.join(tmp, tag))
+            session = ort_session(path, provider, threads=threads, optimize=optimize, profile_prefix=os.path.join(tmp, tag))
         if provider not in session.get_providers():
             raise _NotStarted(provider)
         wanted = {i.name for i in session.get_inputs()}
@@ -163,12 +180,11 @@ def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, 
         raise OnnxpipeError(f"onnxruntime could not start {provider} here (its libraries or the device are missing); run --profile on the "
                             f"machine that has the device, or import times measured there with `onnxpipe annotate --times FILE`") from None
     except Exception as exc:  # onnxruntime raises its own exception types for unsupported models
-        if tag == "backward":
-            return {}
+        if tag in ("backward", "inference"):
+            return []
         raise OnnxpipeError(f"profiling failed in onnxruntime ({str(exc).splitlines()[0][:200]}); annotate without --profile") from exc
     with open(trace) as f:
-        events = json.load(f)
-    return trace_medians(events, warmup)
+        return json.load(f)
 
 
 def trace_medians(events: list[dict], warmup: int) -> dict[str, float]:
@@ -195,6 +211,89 @@ def trace_medians(events: list[dict], warmup: int) -> dict[str, float]:
         node: max(_RESOLUTION_FLOOR, statistics.median(list(times.values()) + [0.0] * (measured - len(times))))
         for node, times in per_run.items()
     }
+
+
+def kernel_ops(events: list[dict]) -> dict[str, str]:
+    """Each kernel's op type in a trace (`op_name`: an optimized session's fused kernel says what it became)."""
+    return {e["name"][: -len("_kernel_time")]: e.get("args", {}).get("op_name", "") for e in events
+            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")}
+
+
+def fused_shares(graph: Graph, unfused: Mapping[str, float], kernels: Mapping[str, float], ops: Mapping[str, str]) -> dict[str, float]:
+    """Seconds per compute node of an optimized run (`kernels`: its kernel times, `ops`: their op types),
+    from the unoptimized run's times of the same nodes (`unfused`).
+
+    onnxruntime names a fused kernel after one node it replaced or that node's output, now and then with
+    a suffix (`<node>/duplicated`, `<output>_nchwc`): the longest node or output name the kernel name
+    starts with, whole or before a `_` or `/`, is the kernel's node. A node without a kernel of its own
+    was fused away: into the kernel of a neighbour that changed (renamed, or another op: `Relu` -> a `Conv` with an activation,
+    `Add` -> `QLinearAdd`) where the tensor between them has no other reader, as fusions require (a
+    producer's kernel first, then a reader's; a matmul or convolution only into a kernel whose op names
+    its op, `Conv` into `QLinearConv`), else into a kernel named after none of the model's nodes
+    (`SkipLayerNormalization`, `QLinearConv`). A kernel's time is shared over its nodes, the time of the
+    kernels named after no node over the nodes left, each in proportion to its unoptimized time."""
+    compute = graph.compute_nodes
+    names = {o: n for n in graph.order for o in graph.node(n).output if o} | {n: n for n in graph.order}
+    computed = set(compute)
+    anchored: dict[str, float] = {}
+    stray = 0.0
+    kinds: dict[str, set[str]] = {}
+    changed: set[str] = set()
+    for kernel, seconds in kernels.items():
+        node = _kernel_node(kernel, names)
+        if node is None:
+            stray += seconds
+            continue
+        anchored[node] = anchored.get(node, 0.0) + seconds
+        kinds.setdefault(node, set()).add(ops.get(kernel, "") or graph.node(node).op_type)
+        if kernel != node or kinds[node] != {graph.node(node).op_type}:
+            changed.add(node)
+    group = {n: n for n in compute if n in changed}
+
+    def joins(node: str, other: str | None) -> bool:
+        return other in group and (op_class(graph.node(node).op_type) not in ("matmul", "conv")
+                                   or any(graph.node(node).op_type in kind for kind in kinds[group[other]]))
+
+    for n in compute:  # into a producer's kernel
+        if n not in anchored:
+            fused = next((p for p in map(graph.producer, graph.node_inputs(n)) if joins(n, p) and _only_reader(graph, p) == n), None)
+            if fused is not None:
+                group[n] = group[fused]
+    for n in reversed(compute):  # into a reader's kernel
+        reader = _only_reader(graph, n)
+        if n not in anchored and n not in group and joins(n, reader):
+            group[n] = group[reader]
+    members: dict[str, list[str]] = {}
+    for n, owner in group.items():
+        members.setdefault(owner, []).append(n)
+    out: dict[str, float] = {}
+    for node, seconds in anchored.items():
+        if node in computed:
+            out.update(_shared(members.get(node, [node]), seconds, unfused))
+    left = [n for n in compute if n not in anchored and n not in group]
+    for node, seconds in _shared(left, stray, unfused).items() if left else _shared(list(out), stray, out).items():
+        out[node] = out.get(node, 0.0) + seconds
+    return {n: max(_RESOLUTION_FLOOR, out.get(n, 0.0)) for n in compute}
+
+
+def _kernel_node(kernel: str, names: Mapping[str, str]) -> str | None:
+    """The node of the longest name in `names` (node and output names -> node) that `kernel` is, or starts
+    with before a `_` or `/`; None for a kernel of its own."""
+    cuts = [len(kernel)] + [i for i in range(len(kernel) - 1, 0, -1) if kernel[i] in "_/"]
+    return next((names[kernel[:i]] for i in cuts if kernel[:i] in names), None)
+
+
+def _only_reader(graph: Graph, node: str) -> str | None:
+    """The one node reading all of `node`'s outputs, None when several nodes or the model's outputs read them."""
+    outs = [o for o in graph.node(node).output if o]
+    readers = {r for o in outs for r in graph.consumers(o)}
+    return next(iter(readers)) if len(readers) == 1 and not any(o in graph.outputs for o in outs) else None
+
+
+def _shared(nodes: list[str], seconds: float, weights: Mapping[str, float]) -> dict[str, float]:
+    """`seconds` shared over `nodes` in proportion to their `weights` (evenly when they have none)."""
+    total = sum(weights.get(n, 0.0) for n in nodes)
+    return {n: seconds * (weights.get(n, 0.0) / total if total > 0 else 1 / len(nodes)) for n in nodes}
 
 
 def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | None:

@@ -314,7 +314,7 @@ def test_profile_measures_every_compute_node(profiled):
     graph, costs = profiled
     assert costs.profiled and set(costs.nodes) == set(graph.compute_nodes)
     for name, cost in costs.nodes.items():
-        assert cost.measured_seconds > 0 and cost.measured_backward_seconds > 0, name
+        assert cost.measured_seconds > 0 and cost.measured_backward_seconds > 0 and cost.measured_inference_seconds > 0, name
     totals = summarize(costs)[1]
     assert totals["measured_seconds"] == pytest.approx(sum(c.measured_seconds for c in costs.nodes.values()))
 
@@ -422,3 +422,55 @@ def test_profiling_refuses_a_model_larger_than_memory_before_allocating() -> Non
     with pytest.raises(OnnxpipeError, match=r"needs 188 KiB \(inputs 62.5 KiB, weights 1 KiB, activations 125 KiB\) but 94.\d KiB are available: "
                                             r"dim 'batch' = 1000 sets most of it; bind a smaller one with --dim batch=N or a smaller --batch"):
         ensure_fits_in_memory(g, needed // 2)
+
+
+def _conv_relu_softmax() -> onnx.ModelProto:
+    """A convolution with its activation (one fused kernel in an optimized session), then a Softmax (a kernel of its own)."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Softmax", ["r"], ["p"], name="softmax", axis=-1),
+    ]
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal((16, 8, 3, 3)).astype(np.float32), "b": _zeros(16)}
+    return _model(nodes, [("x", [2, 8, 16, 16])], ["p"], inits)
+
+
+def test_a_fused_kernel_is_shared_over_the_nodes_it_replaced(tmp_path):
+    from onnxpipe.cost_profile import fused_shares, kernel_ops, trace_medians
+    from onnxpipe.ortutil import cpu_session
+
+    graph = load(_conv_relu_softmax())
+    session = cpu_session(graph.model.SerializeToString(), threads=1, profile_prefix=str(tmp_path / "optimized"))
+    for _ in range(4):
+        session.run(None, {"x": np.ones((2, 8, 16, 16), np.float32)})
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    kernels, ops = trace_medians(events, 1), kernel_ops(events)
+    # onnxruntime ran the convolution and its Relu as one kernel, named after one of them or its output ("r_nchwc").
+    fused = [k for k in kernels if ops[k] != "Softmax" and not ops[k].startswith("Reorder")]
+    assert len(fused) == 1 and ops[fused[0]] in ("Conv", "FusedConv") and fused[0].startswith(("conv", "relu", "c_", "r_")), (fused, ops)
+    shares = fused_shares(graph, {"conv": 3e-3, "relu": 1e-3, "softmax": 1e-3}, kernels, ops)
+    # The fused kernel's time goes to both nodes (3:1 as they ran apart), the Softmax keeps its own kernel's;
+    # kernels of no node (layout reorders) are shared over all in proportion, and nothing is lost.
+    assert shares["conv"] == pytest.approx(3 * shares["relu"])
+    assert (shares["conv"] + shares["relu"]) / shares["softmax"] == pytest.approx(kernels[fused[0]] / kernels["softmax"])
+    assert sum(shares.values()) == pytest.approx(sum(kernels.values()))
+
+
+def test_fused_shares_follow_the_fusion_rules():
+    from onnxpipe.cost_profile import fused_shares
+
+    graph = load(_conv_relu_softmax())
+    unfused = {"conv": 3e-3, "relu": 1e-3, "softmax": 2e-3}
+    # Renamed with a suffix, the Conv into the Relu's kernel; the Softmax untouched.
+    shares = fused_shares(graph, unfused, {"relu_nchwc": 2e-3, "softmax": 1e-3}, {"relu_nchwc": "Conv", "softmax": "Softmax"})
+    assert shares == pytest.approx({"conv": 1.5e-3, "relu": 0.5e-3, "softmax": 1e-3})
+    # A convolution joins only a kernel whose op names its op: the Relu kept as it was takes nothing, and the
+    # time of a kernel named after no node goes to the nodes left.
+    shares = fused_shares(graph, unfused, {"relu": 1e-4, "softmax": 1e-3, "QLinearConv_token_3": 4e-3}, {"relu": "Relu", "softmax": "Softmax",
+                                                                                                      "QLinearConv_token_3": "QLinearConv"})
+    assert shares == pytest.approx({"conv": 4e-3, "relu": 1e-4, "softmax": 1e-3})
+    # Nothing of the model's: every kernel's time over every node, in proportion to its unoptimized time.
+    shares = fused_shares(graph, unfused, {"FusedThing": 6e-3}, {"FusedThing": "Fused"})
+    assert shares == pytest.approx({"conv": 3e-3, "relu": 1e-3, "softmax": 2e-3})

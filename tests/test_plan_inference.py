@@ -123,3 +123,33 @@ def test_choose_mode_follows_the_loss_unless_one_is_appended() -> None:
     with pytest.raises(OnnxpipeError, match="has no loss output.*, so it cannot be trained as it is; `onnxpipe train` appends one with --loss .* "
                        "and plan or split serve it forward-only with --mode inference"):
         choose_mode(served, "training")
+
+
+def test_inference_prices_profiled_nodes_at_their_optimized_times_and_training_does_not() -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from onnxpipe.cost import with_measurements
+
+    graph = load(build("gpt2-tiny"))
+    costs = annotate(graph)
+    nodes = graph.compute_nodes
+    forward = {n: 1e-4 * (1 + i % 3) for i, n in enumerate(nodes)}
+    backward = {n: 2 * t for n, t in forward.items()}
+    optimized = {n: t / 2 for n, t in forward.items()}
+    plain = with_measurements(costs, forward, backward, "cpu", "profile:CPUExecutionProvider")
+    fused = with_measurements(costs, forward, backward, "cpu", "profile:CPUExecutionProvider", optimized)
+    assert all(c.measured_inference_seconds is None for c in plain.nodes.values())
+    options = dict(batch=8, microbatches=4)
+    for target in ("cpu2", "gpu4"):
+        for mode in ("training", "inference"):
+            before = build_problem(graph, plain, load_target(target), mode=mode, **options)
+            after = build_problem(graph, fused, load_target(target), mode=mode, **options)
+            assert np.array_equal(before.backward, after.backward) and np.array_equal(before.weight, after.weight)
+            if mode == "training" or target == "gpu4":  # training, and devices of another kind, are priced as before
+                assert np.array_equal(before.forward, after.forward), (target, mode)
+    inference = build_problem(graph, fused, load_target("cpu2"), mode="inference", **options)
+    scale = 8 / 4 / graph.batch
+    assert inference.forward[0] == pytest.approx([optimized[n] * scale for n in nodes])
+    assert dataclasses.replace(fused.nodes[nodes[0]], measured_inference_seconds=None) == plain.nodes[nodes[0]]

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from onnxpipe import schedule as schedules
-from onnxpipe.cost import Costs, weight_owners
+from onnxpipe.cost import Costs, NodeCost, weight_owners
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
@@ -207,7 +207,7 @@ def build_problem(
             members[d.group] = []
         members[d.group].append(d.name)
     node_costs = [costs.nodes[n] for n in nodes]
-    scaled = [_scaled(c, scale) for c in node_costs]
+    scaled = [_scaled(_inference_form(c) if mode == "inference" else c, scale) for c in node_costs]
     forward = np.array([[node_seconds(target.device(members[g][0]), c, dtype) for c in scaled] for g in groups], dtype=float).reshape(len(groups), len(nodes))
     backward = np.array(
         [[node_seconds(target.device(members[g][0]), c, dtype, backward=True) for c in scaled] for g in groups], dtype=float
@@ -283,6 +283,13 @@ def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, 
         raise OnnxpipeError(f"batch {batch} does not split into {microbatches} micro-batches; pick a divisor of the batch for --microbatches")
     if not graph.compute_nodes:
         raise OnnxpipeError(f"{graph.source}: the model has no compute nodes (everything is constant); nothing to plan")
+
+
+def _inference_form(cost: NodeCost) -> NodeCost:
+    """The node as an inference stage runs it: its measured time in an optimized session where profiled."""
+    if cost.measured_inference_seconds is None:
+        return cost
+    return dataclasses.replace(cost, measured_seconds=cost.measured_inference_seconds)
 
 
 def _scaled(cost, scale: float):  # type: ignore[no-untyped-def]
