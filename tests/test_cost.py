@@ -474,3 +474,33 @@ def test_fused_shares_follow_the_fusion_rules():
     # Nothing of the model's: every kernel's time over every node, in proportion to its unoptimized time.
     shares = fused_shares(graph, unfused, {"FusedThing": 6e-3}, {"FusedThing": "Fused"})
     assert shares == pytest.approx({"conv": 3e-3, "relu": 1e-3, "softmax": 2e-3})
+
+
+def _trace(kernels: dict[str, tuple[str, float]]) -> list[dict]:
+    """One profiled run of the named kernels ({name: (op, microseconds)}), back to back, in onnxruntime's trace form."""
+    events, ts = [], 100
+    for name, (op, us) in kernels.items():
+        events.append({"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": us, "args": {"op_name": op}})
+        ts += us
+    return [{"cat": "Session", "name": "model_run", "ts": 100, "dur": ts - 100}, *events]
+
+
+def test_the_optimized_run_prices_inference_only(monkeypatch):
+    from onnxpipe import cost_profile
+
+    traces = {
+        "forward": _trace({"conv": ("Conv", 300), "relu": ("Relu", 100), "softmax": ("Softmax", 100)}),
+        "inference": _trace({"r_nchwc": ("Conv", 200), "softmax": ("Softmax", 100)}),
+        "backward": _trace({"conv": ("Conv", 330), "relu": ("Relu", 110), "softmax": ("Softmax", 120), "conv_Grad/ConvGrad_0": ("ConvGrad", 600),
+                            "relu_Grad/ReluGrad_0": ("ReluGrad", 50), "softmax_Grad/SoftmaxGrad_0": ("SoftmaxGrad", 80)}),
+    }
+    graph = load(_conv_relu_softmax())
+    monkeypatch.setattr(cost_profile, "_profile", lambda model, feeds, tmp, tag, *args, **kw: traces[tag])
+    forward, backward, inference = cost_profile.profile_times(graph, runs=1, warmup=0)
+    # Training's figures come from the unoptimized and gradient runs alone (the gradient graph's form of each forward).
+    assert forward == pytest.approx({"conv": 330e-6, "relu": 110e-6, "softmax": 120e-6})
+    assert backward == pytest.approx({"conv": 600e-6, "relu": 50e-6, "softmax": 80e-6})
+    # Inference's: the fused Conv+Relu kernel over both, 3:1 as the unoptimized run had them.
+    assert inference == pytest.approx({"conv": 150e-6, "relu": 50e-6, "softmax": 100e-6})
+    traces["inference"] = []  # onnxruntime could not optimize it: training's figures unchanged, no inference ones
+    assert cost_profile.profile_times(graph, runs=1, warmup=0) == (forward, backward, {})
