@@ -54,6 +54,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, TWO_PASS_NORMS, MissingShape, forward_flops, gemm_shape, op_class
+from onnxpipe.cost_layout import NCHWC, ReorderRates
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
@@ -112,6 +113,9 @@ class NodeCost:
     #: The numeric type whose peak rate the kernel runs at when it is not the model's float type: "int8" for
     #: a quantized matmul or convolution; "" otherwise (the float type the problem prices).
     dtype: str = ""
+    #: "nchwc" when the optimized profile computed the node in onnxruntime's blocked layout (`cost_layout`:
+    #: a stage cut next to it reorders the cut tensor); "" otherwise.
+    layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ class Costs:
     unknown_ops: tuple[str, ...]
     #: True when measured times are present.
     profiled: bool
+    #: The profiling host's rates for reordering a cut tensor into and out of the blocked layout (`cost_layout`),
+    #: when its optimized session computed nodes in it; they price inference stages on cpu devices.
+    reorder: ReorderRates | None = None
 
 
 _BACKWARD_FACTOR = {"matmul": 2.0, "conv": 2.0, "rnn": 2.0, "norm": 2.0, "elementwise": 1.0, "pool": 1.0, "reduce": 1.0, "data": 0.0, "other": 0.0}
@@ -146,15 +153,18 @@ def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int 
     from onnxpipe.cost_profile import execution_provider, profile_times
 
     chosen = execution_provider(device_kind, provider)
-    forward, backward, inference = profile_times(graph, runs=runs, warmup=warmup, provider=chosen)
-    return with_measurements(costs, forward, backward, device_kind, f"profile:{chosen}", inference)
+    measured = profile_times(graph, runs=runs, warmup=warmup, provider=chosen)
+    return with_measurements(costs, measured.forward, measured.backward, device_kind, f"profile:{chosen}", measured.inference,
+                             blocked=measured.nchwc, reorder=measured.reorder)
 
 
 def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapping[str, float], device_kind: str, source: str,
-                      inference: Mapping[str, float] | None = None) -> Costs:
+                      inference: Mapping[str, float] | None = None, *, blocked: Iterable[str] = (), reorder: ReorderRates | None = None) -> Costs:
     """`costs` with measured seconds where `forward` has them (taken on a `device_kind` device, from `source`);
     a node without a measured backward gets its forward time x its backward/forward FLOP ratio. `inference`:
-    forward times as an optimized inference session runs the nodes, where measured."""
+    forward times as an optimized inference session runs the nodes, where measured; `blocked`: the nodes it
+    computed in the blocked layout, `reorder`: the host's rates for reordering into and out of it."""
+    blocked = frozenset(blocked)
     nodes = {}
     for name, cost in costs.nodes.items():
         fwd = forward.get(name)
@@ -165,8 +175,8 @@ def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapp
         if bwd is None:
             bwd = fwd * ((cost.backward_flops / cost.flops if cost.flops else 0.0) or 1.0)
         nodes[name] = replace(cost, measured_seconds=fwd, measured_backward_seconds=bwd, measured_inference_seconds=(inference or {}).get(name),
-                              measured_on=device_kind, source=source)
-    return replace(costs, nodes=nodes, profiled=True)
+                              measured_on=device_kind, source=source, layout=NCHWC if name in blocked else "")
+    return replace(costs, nodes=nodes, profiled=True, reorder=reorder)
 
 
 def _is_float(graph: Graph, tensor: str) -> bool:
@@ -460,7 +470,9 @@ def summarize(costs: Costs) -> tuple[list[OpTypeSummary], dict[str, float]]:
 _PREFIX = "onnxpipe."
 #: Models this large keep their weights in a side file: protobuf cannot serialize 2 GB.
 _EXTERNAL_DATA_BYTES = 2**31 - 2**20
-_TEXT_FIELDS = ("op_type", "op_class", "known", "winograd", "measured_on", "source", "dtype")
+_TEXT_FIELDS = ("op_type", "op_class", "known", "winograd", "measured_on", "source", "dtype", "layout")
+#: Model metadata keys of `Costs.reorder`'s two rates (bytes/s).
+_REORDER_KEYS = (f"{_PREFIX}reorder_into_blocks", f"{_PREFIX}reorder_out_of_blocks")
 _NUMBER_FIELDS = tuple(f.name for f in fields(NodeCost) if f.name not in _TEXT_FIELDS)
 
 
@@ -474,13 +486,14 @@ def write_annotated(graph: Graph, costs: Costs, path: str | os.PathLike) -> None
         cost = costs.nodes.get(node.name)
         if cost is not None:
             _set_props(node.metadata_props, _node_props(cost))
-    _set_props(model.metadata_props, {f"{_PREFIX}unknown_ops": ",".join(costs.unknown_ops), f"{_PREFIX}profiled": str(costs.profiled).lower()})
+    rates = dict(zip(_REORDER_KEYS, (repr(costs.reorder.into_blocks), repr(costs.reorder.out_of_blocks)))) if costs.reorder else {}
+    _set_props(model.metadata_props, {f"{_PREFIX}unknown_ops": ",".join(costs.unknown_ops), f"{_PREFIX}profiled": str(costs.profiled).lower(), **rates})
     _save_model_atomically(model, Path(path))
 
 
 def _node_props(cost: NodeCost) -> dict[str, str]:
     props = {f"{_PREFIX}op_class": cost.op_class, f"{_PREFIX}known": str(cost.known).lower(), f"{_PREFIX}winograd": str(cost.winograd).lower()}
-    props.update({_PREFIX + key: getattr(cost, key) for key in ("measured_on", "source", "dtype") if getattr(cost, key)})
+    props.update({_PREFIX + key: getattr(cost, key) for key in ("measured_on", "source", "dtype", "layout") if getattr(cost, key)})
     for key in _NUMBER_FIELDS:
         value = getattr(cost, key)
         if value is not None:
@@ -509,13 +522,18 @@ def read_annotated(graph: Graph) -> Costs | None:
             measured_on = props.get("measured_on") or ("cpu" if numbers.get("measured_seconds") is not None else None)
             nodes[name] = NodeCost(op_type=node.op_type, op_class=props["op_class"], known=props.get("known", "true") == "true",
                                    winograd=props.get("winograd") == "true", measured_on=measured_on, source=props.get("source", ""),
-                                   dtype=props.get("dtype", ""),
+                                   dtype=props.get("dtype", ""), layout=props.get("layout", ""),
                                    **numbers)  # type: ignore[arg-type]
         except (KeyError, ValueError, TypeError) as exc:
             raise OnnxpipeError(f"{graph.source}: node '{name}' has a damaged cost annotation ({exc}); re-run `onnxpipe annotate`") from exc
     model_props = {p.key: p.value for p in graph.model.metadata_props}
     unknown = tuple(op for op in model_props.get(f"{_PREFIX}unknown_ops", "").split(",") if op)
-    return Costs(nodes=nodes, unknown_ops=unknown, profiled=model_props.get(f"{_PREFIX}profiled") == "true")
+    try:
+        rates = [float(model_props[key]) for key in _REORDER_KEYS if key in model_props]
+    except ValueError as exc:
+        raise OnnxpipeError(f"{graph.source}: the model's reorder rates are damaged ({exc}); re-run `onnxpipe annotate`") from exc
+    reorder = ReorderRates(*rates) if len(rates) == 2 and min(rates) > 0 else None
+    return Costs(nodes=nodes, unknown_ops=unknown, profiled=model_props.get(f"{_PREFIX}profiled") == "true", reorder=reorder)
 
 
 def _save_model_atomically(model: onnx.ModelProto, path: Path) -> None:

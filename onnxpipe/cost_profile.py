@@ -1,8 +1,8 @@
 """Measured node times: the model (and its gradient graph) profiled in onnxruntime with the execution provider
 of the device the stage will run on (one thread on the CPU; `execution_provider` picks it per device kind).
 
-Reading order: `execution_provider`, `ensure_provider` -> `profile_times` -> `_feeds` -> `_profile` (session + JSON trace)
--> `trace_medians` (median per node) -> `fused_shares` (the optimized run's kernels back on the model's nodes)
+Reading order: `execution_provider`, `ensure_provider` -> `Profile` -> `profile_times` -> `_feeds` -> `_profile` (session + JSON trace)
+-> `trace_medians` (median per node) -> `fused_shares` (the optimized run's kernels back on the model's nodes), `nchwc_nodes`
 -> `_training_model` (loss + GradientGraphBuilder) -> `backward_by_forward`.
 
 Graph optimizations are off so trace events keep the model's own node names; onnxruntime 1.19
@@ -10,7 +10,9 @@ names gradient nodes `<forward node>_Grad/<op>_<i>`, which maps them back to for
 times come from the gradient graph's run where it has the node (training's form of the node).
 Inference stage workers run optimized sessions, which fuse nodes (a convolution with its activation
 and a residual Add, Q/DQ pairs into an int8 kernel) and pick other kernels (NCHWc convolutions):
-a third run, optimized, gives the inference times (`fused_shares`).
+a third run, optimized, gives the inference times (`fused_shares`), the nodes it computed in the blocked NCHWc
+layout (`nchwc_nodes`) and, from a probe profiled the same way, the host's rates for reordering a cut tensor
+into and out of that layout (`cost_layout`).
 Trace durations are whole microseconds: a kernel faster than that counts as half a microsecond. A run's
 time outside its kernels (the session's per-node work) is shared out over its kernels (`trace_medians`).
 """
@@ -23,12 +25,14 @@ import statistics
 import tempfile
 from bisect import bisect_right
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from onnxpipe.cost_formulas import op_class
+from onnxpipe.cost_layout import ReorderRates, probe_model, probe_shape, reorder_rates
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
@@ -40,8 +44,8 @@ from onnxpipe.protostream import load_weights
 from onnxpipe.units import format_bytes
 
 __all__ = [
-    "profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "kernel_ops", "fused_shares", "own_names",
-    "backward_by_forward",
+    "Profile", "profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "kernel_ops", "fused_shares",
+    "nchwc_nodes", "NCHWC_SUFFIX", "own_names", "backward_by_forward",
 ]
 
 #: Each device kind's own execution provider.
@@ -51,6 +55,8 @@ _RESOLUTION_FLOOR = 0.5e-6
 _GRAD_MARK = "_Grad/"
 _LOSS = "onnxpipe.profile_loss"
 _TWO_GB = 2**31
+#: What onnxruntime appends to the name of a kernel it computes in the blocked NCHWc layout.
+NCHWC_SUFFIX = "_nchwc"
 
 
 def execution_provider(kind: str, named: str = "") -> str:
@@ -77,12 +83,25 @@ def ensure_provider(provider: str) -> None:
                             f"measured there with `onnxpipe annotate --times FILE`")
 
 
-def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2,
-                  provider: str = CPU_PROVIDER) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """Median forward seconds per compute node, median backward seconds per forward node that has gradient
-    nodes (empty when no gradient graph can be built), and median forward seconds per compute node in an
-    optimized session, as inference runs it (`fused_shares`; empty when onnxruntime cannot optimize the
-    model), measured with `provider`."""
+@dataclass(frozen=True)
+class Profile:
+    """What profiling measured, per compute node (seconds) unless said otherwise."""
+
+    #: Forward medians (training's form of each node where the gradient graph ran it).
+    forward: dict[str, float]
+    #: Backward medians per forward node that has gradient nodes (empty when no gradient graph can be built).
+    backward: dict[str, float]
+    #: Forward medians in an optimized session, as inference runs them (`fused_shares`; empty when onnxruntime
+    #: cannot optimize the model).
+    inference: dict[str, float]
+    #: Nodes the optimized session computed in the blocked NCHWc layout (`nchwc_nodes`).
+    nchwc: frozenset[str] = frozenset()
+    #: The host's rates for reordering a tensor into and out of that layout, when it has nodes in it (CPU only).
+    reorder: ReorderRates | None = None
+
+
+def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str = CPU_PROVIDER) -> Profile:
+    """The model's node times (and the optimized run's layout facts) measured with `provider`."""
     if runs < 1 or warmup < 0:
         raise OnnxpipeError(f"profile runs={runs}, warmup={warmup}: need runs >= 1 and warmup >= 0")
     ensure_provider(provider)
@@ -92,10 +111,16 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2,
     load_weights(model, graph.weights_dir or ".")  # profiling runs the model: it needs every weight
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     feeds = _feeds(graph)
+    compute = set(graph.compute_nodes)
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         forward = trace_medians(_profile(model, feeds, tmp, "forward", runs, warmup, provider), warmup)
         optimized = _profile(model, feeds, tmp, "inference", runs, warmup, provider, optimize=True)
-        inference = fused_shares(graph, forward, trace_medians(optimized, warmup), kernel_ops(optimized)) if optimized else {}
+        kernels, ops = (trace_medians(optimized, warmup), kernel_ops(optimized)) if optimized else ({}, {})
+        inference = fused_shares(graph, forward, kernels, ops) if optimized else {}
+        blocked = nchwc_nodes(graph, kernels, ops) & compute if optimized else frozenset()
+        shape = probe_shape(graph, blocked) if provider == CPU_PROVIDER else None
+        probe = _profile(probe_model(shape), {"x": np.ones(shape, np.float32)}, tmp, "probe", runs, warmup, provider, optimize=True) if shape else []
+        reorder = reorder_rates(probe, warmup, 4 * int(np.prod(shape))) if probe else None
         training = _training_model(graph, model)
         events = _profile(training, feeds, tmp, "backward", runs, warmup, provider) if training else []
         trained = own_names(trace_medians(events, warmup), forward) if events else {}
@@ -103,9 +128,8 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2,
     # Training runs a node's forward in its training form (MaxPool also returning the indices its
     # gradient needs, several times slower): where the gradient graph ran it, that is its forward time.
     forward.update({n: t for n, t in trained.items() if n in forward})
-    compute = set(graph.compute_nodes)
-    return ({n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute},
-            {n: t for n, t in inference.items() if n in compute})
+    return Profile({n: t for n, t in forward.items() if n in compute}, {n: t for n, t in backward.items() if n in compute},
+                   {n: t for n, t in inference.items() if n in compute}, blocked if reorder else frozenset(), reorder)
 
 
 def ensure_fits_in_memory(graph: Graph, available: int) -> None:
@@ -180,7 +204,7 @@ def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, 
         raise OnnxpipeError(f"onnxruntime could not start {provider} here (its libraries or the device are missing); run --profile on the "
                             f"machine that has the device, or import times measured there with `onnxpipe annotate --times FILE`") from None
     except Exception as exc:  # onnxruntime raises its own exception types for unsupported models
-        if tag in ("backward", "inference"):
+        if tag in ("backward", "inference", "probe"):
             return []
         raise OnnxpipeError(f"profiling failed in onnxruntime ({str(exc).splitlines()[0][:200]}); annotate without --profile") from exc
     with open(trace) as f:
@@ -232,12 +256,50 @@ def fused_shares(graph: Graph, unfused: Mapping[str, float], kernels: Mapping[st
     its op, `Conv` into `QLinearConv`), else into a kernel named after none of the model's nodes
     (`SkipLayerNormalization`, `QLinearConv`). A kernel's time is shared over its nodes, the time of the
     kernels named after no node over the nodes left, each in proportion to its unoptimized time."""
+    fusion = _fusion(graph, kernels, ops)
+    compute = graph.compute_nodes
+    computed = set(compute)
+    members: dict[str, list[str]] = {}
+    for n, owner in fusion.group.items():
+        members.setdefault(owner, []).append(n)
+    out: dict[str, float] = {}
+    for node, seconds in fusion.anchored.items():
+        if node in computed:
+            out.update(_shared(members.get(node, [node]), seconds, unfused))
+    left = [n for n in compute if n not in fusion.anchored and n not in fusion.group]
+    for node, seconds in _shared(left, fusion.stray, unfused).items() if left else _shared(list(out), fusion.stray, out).items():
+        out[node] = out.get(node, 0.0) + seconds
+    return {n: max(_RESOLUTION_FLOOR, out.get(n, 0.0)) for n in compute}
+
+
+def nchwc_nodes(graph: Graph, kernels: Mapping[str, float], ops: Mapping[str, str]) -> frozenset[str]:
+    """The compute nodes an optimized run (`kernels`, `ops`) computed in onnxruntime's blocked NCHWc layout: those
+    whose kernel, their own or the one they were fused into (`fused_shares`' rules), carries the `_nchwc` suffix.
+    A stage file ends or starts such a run of nodes at its cut tensors, which onnxruntime reorders from and to
+    the plain layout there (`cost_layout`)."""
+    fusion = _fusion(graph, kernels, ops)
+    return frozenset(n for n, owner in fusion.group.items() if any(NCHWC_SUFFIX in k for k in fusion.kernels[owner]))
+
+
+@dataclass(frozen=True)
+class _Fusion:
+    """An optimized run's kernels put on the model's nodes (`fused_shares`)."""
+
+    #: Node -> seconds of the kernels named after it; the seconds of kernels named after no node.
+    anchored: dict[str, float]
+    stray: float
+    #: Node that changed or was fused away -> the node whose kernels it ran in; those kernels' names.
+    group: dict[str, str]
+    kernels: dict[str, set[str]]
+
+
+def _fusion(graph: Graph, kernels: Mapping[str, float], ops: Mapping[str, str]) -> _Fusion:
     compute = graph.compute_nodes
     names = {o: n for n in graph.order for o in graph.node(n).output if o} | {n: n for n in graph.order}
-    computed = set(compute)
     anchored: dict[str, float] = {}
     stray = 0.0
     kinds: dict[str, set[str]] = {}
+    named: dict[str, set[str]] = {}
     changed: set[str] = set()
     for kernel, seconds in kernels.items():
         node = _kernel_node(kernel, names)
@@ -246,6 +308,7 @@ def fused_shares(graph: Graph, unfused: Mapping[str, float], kernels: Mapping[st
             continue
         anchored[node] = anchored.get(node, 0.0) + seconds
         kinds.setdefault(node, set()).add(ops.get(kernel, "") or graph.node(node).op_type)
+        named.setdefault(node, set()).add(kernel)
         if kernel != node or kinds[node] != {graph.node(node).op_type}:
             changed.add(node)
     group = {n: n for n in compute if n in changed}
@@ -263,17 +326,7 @@ def fused_shares(graph: Graph, unfused: Mapping[str, float], kernels: Mapping[st
         reader = _only_reader(graph, n)
         if n not in anchored and n not in group and joins(n, reader):
             group[n] = group[reader]
-    members: dict[str, list[str]] = {}
-    for n, owner in group.items():
-        members.setdefault(owner, []).append(n)
-    out: dict[str, float] = {}
-    for node, seconds in anchored.items():
-        if node in computed:
-            out.update(_shared(members.get(node, [node]), seconds, unfused))
-    left = [n for n in compute if n not in anchored and n not in group]
-    for node, seconds in _shared(left, stray, unfused).items() if left else _shared(list(out), stray, out).items():
-        out[node] = out.get(node, 0.0) + seconds
-    return {n: max(_RESOLUTION_FLOOR, out.get(n, 0.0)) for n in compute}
+    return _Fusion(anchored, stray, group, named)
 
 
 def _kernel_node(kernel: str, names: Mapping[str, str]) -> str | None:

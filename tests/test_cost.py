@@ -491,16 +491,70 @@ def test_the_optimized_run_prices_inference_only(monkeypatch):
     traces = {
         "forward": _trace({"conv": ("Conv", 300), "relu": ("Relu", 100), "softmax": ("Softmax", 100)}),
         "inference": _trace({"r_nchwc": ("Conv", 200), "softmax": ("Softmax", 100)}),
+        "probe": _trace({"ReorderInput": ("ReorderInput", 40), "probe_nchwc": ("Conv", 300), "ReorderOutput": ("ReorderOutput", 80)}),
         "backward": _trace({"conv": ("Conv", 330), "relu": ("Relu", 110), "softmax": ("Softmax", 120), "conv_Grad/ConvGrad_0": ("ConvGrad", 600),
                             "relu_Grad/ReluGrad_0": ("ReluGrad", 50), "softmax_Grad/SoftmaxGrad_0": ("SoftmaxGrad", 80)}),
     }
     graph = load(_conv_relu_softmax())
     monkeypatch.setattr(cost_profile, "_profile", lambda model, feeds, tmp, tag, *args, **kw: traces[tag])
-    forward, backward, inference = cost_profile.profile_times(graph, runs=1, warmup=0)
+    measured = cost_profile.profile_times(graph, runs=1, warmup=0)
+    forward, backward, inference = measured.forward, measured.backward, measured.inference
     # Training's figures come from the unoptimized and gradient runs alone (the gradient graph's form of each forward).
     assert forward == pytest.approx({"conv": 330e-6, "relu": 110e-6, "softmax": 120e-6})
     assert backward == pytest.approx({"conv": 600e-6, "relu": 50e-6, "softmax": 80e-6})
     # Inference's: the fused Conv+Relu kernel over both, 3:1 as the unoptimized run had them.
     assert inference == pytest.approx({"conv": 150e-6, "relu": 50e-6, "softmax": 100e-6})
-    traces["inference"] = []  # onnxruntime could not optimize it: training's figures unchanged, no inference ones
-    assert cost_profile.profile_times(graph, runs=1, warmup=0) == (forward, backward, {})
+    # The optimized run computed both in the blocked layout; a probe of the model's largest blocked tensor (c, r: [2, 16, 16, 16]) gives the host's rates.
+    assert measured.nchwc == {"conv", "relu"}
+    assert measured.reorder is not None
+    assert (measured.reorder.into_blocks, measured.reorder.out_of_blocks) == pytest.approx((2 * 16 * 16 * 16 * 4 / 40e-6, 2 * 16 * 16 * 16 * 4 / 80e-6))
+    traces["inference"] = []  # onnxruntime could not optimize it: training's figures unchanged, no inference ones, no layout
+    assert cost_profile.profile_times(graph, runs=1, warmup=0) == cost_profile.Profile(forward, backward, {})
+
+
+def test_the_blocked_layout_is_read_off_the_optimized_kernels():
+    from onnxpipe.cost_profile import nchwc_nodes
+
+    graph = load(_conv_relu_softmax())
+    # The Relu fused into the convolution's blocked kernel: both ran blocked; the Softmax, a plain kernel, did not.
+    assert nchwc_nodes(graph, {"r_nchwc": 2e-3, "softmax": 1e-3}, {"r_nchwc": "Conv", "softmax": "Softmax"}) == {"conv", "relu"}
+    # The same fusion in the plain layout, and a blocked kernel named after no node: nothing ran blocked.
+    assert nchwc_nodes(graph, {"relu": 2e-3, "softmax": 1e-3}, {"relu": "FusedConv", "softmax": "Softmax"}) == set()
+    assert nchwc_nodes(graph, {"Conv_token_1_nchwc": 2e-3}, {"Conv_token_1_nchwc": "Conv"}) == set()
+
+
+def test_the_reorder_probe_measures_both_reorders_here(tmp_path):
+    """The probe, run as profiling runs it, reorders its tensor into blocks and back out on a host whose onnxruntime
+    computes convolutions blocked (x86 with AVX2 or AVX-512); the rates come from those two kernels' times."""
+    from onnxpipe.cost_layout import probe_model, reorder_rates
+    from onnxpipe.ortutil import cpu_session
+
+    shape = (2, 32, 16, 16)
+    session = cpu_session(probe_model(shape).SerializeToString(), threads=1, profile_prefix=str(tmp_path / "probe"))
+    for _ in range(3):
+        session.run(None, {"x": np.ones(shape, np.float32)})
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    ops = {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
+    if "ReorderInput" not in ops:
+        pytest.skip("onnxruntime computes no convolution in the blocked layout on this host")
+    rates = reorder_rates(events, 1, 2 * 32 * 16 * 16 * 4)
+    assert rates is not None and 1e8 < rates.into_blocks < 1e12 and 1e8 < rates.out_of_blocks < 1e12
+    assert reorder_rates([e for e in events if e.get("args", {}).get("op_name") != "ReorderOutput"], 1, 1) is None
+
+
+def test_the_layout_and_the_reorder_rates_round_trip_through_an_annotated_model(tmp_path):
+    from dataclasses import replace
+
+    from onnxpipe.cost import with_measurements
+    from onnxpipe.cost_layout import ReorderRates
+
+    graph = load(_conv_relu_softmax())
+    times = {n: 1e-4 for n in graph.compute_nodes}
+    measured = with_measurements(annotate(graph), times, times, "cpu", "profile:CPUExecutionProvider", times, blocked={"conv", "relu"},
+                                 reorder=ReorderRates(1.25e10, 5.5e9))
+    assert [measured.nodes[n].layout for n in ("conv", "relu", "softmax")] == ["nchwc", "nchwc", ""]
+    write_annotated(graph, measured, tmp_path / "a.onnx")
+    assert read_annotated(load(tmp_path / "a.onnx")) == measured
+    write_annotated(graph, replace(measured, reorder=None), tmp_path / "b.onnx")
+    assert read_annotated(load(tmp_path / "b.onnx")).reorder is None

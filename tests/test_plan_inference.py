@@ -153,3 +153,55 @@ def test_inference_prices_profiled_nodes_at_their_optimized_times_and_training_d
     scale = 8 / 4 / graph.batch
     assert inference.forward[0] == pytest.approx([optimized[n] * scale for n in nodes])
     assert dataclasses.replace(fused.nodes[nodes[0]], measured_inference_seconds=None) == plain.nodes[nodes[0]]
+
+
+def _blocked(costs, graph, blocked: set[str]):  # type: ignore[no-untyped-def]
+    """`costs` as profiled on a host that computed `blocked` in the NCHWc layout and reorders at 4 / 2 GB/s into / out of it."""
+    import dataclasses
+
+    from onnxpipe.cost_layout import NCHWC, ReorderRates
+
+    nodes = {n: dataclasses.replace(c, layout=NCHWC if n in blocked else "") for n, c in costs.nodes.items()}
+    return dataclasses.replace(costs, nodes=nodes, reorder=ReorderRates(into_blocks=4e9, out_of_blocks=2e9))
+
+
+@pytest.mark.parametrize("cut, sent, received", [
+    ("block0/skip", True, True),  # a residual sum (blocked) read by its Relu (blocked): reordered out of blocks and back in
+    ("head/GlobalAveragePool", True, False),  # read by Flatten, a plain node: reordered out of blocks only
+    ("head/Flatten", False, False),  # between plain nodes: nothing reordered
+])
+def test_a_cut_tensor_in_the_blocked_layout_costs_its_reorders_in_inference_on_cpu_only(cut: str, sent: bool, received: bool) -> None:
+    from onnxpipe.split import plan_cuts
+
+    graph = load(build("resnet-tiny"))
+    costs = annotate(graph)
+    blocked = _blocked(costs, graph, {n for n in graph.compute_nodes if not n.startswith("head/") or n == "head/GlobalAveragePool"})
+    nbytes = graph.tensors[cut].nbytes
+    for target in ("cpu2", "gpu4"):
+        for mode in ("training", "inference"):
+            plain = plan_cuts(graph, costs, load_target(target), [cut], mode=mode)
+            priced = plan_cuts(graph, blocked, load_target(target), [cut], mode=mode)
+            if (target, mode) == ("cpu2", "inference"):
+                assert priced.stages[0].forward_seconds == pytest.approx(plain.stages[0].forward_seconds + sent * nbytes / 2e9, rel=1e-12)
+                assert priced.stages[1].forward_seconds == pytest.approx(plain.stages[1].forward_seconds + received * nbytes / 4e9, rel=1e-12)
+                # The simulator runs what was priced.
+                assert (priced.iteration_seconds > plain.iteration_seconds) == (sent or received)
+            else:  # training's sessions, and devices of another kind, reorder nothing
+                assert priced.to_json() == plain.to_json(), (target, mode)
+
+
+def test_the_planner_weighs_the_reorders_of_its_cuts() -> None:
+    """With reorders slower than the whole model, the only cut worth making on cpu2 in inference is the one no
+    reorder crosses (between the plain Flatten and Gemm): the DP and CP-SAT price them as `price` does."""
+    import dataclasses
+
+    graph = load(build("resnet-tiny"))
+    costs = annotate(graph)
+    blocked = _blocked(costs, graph, set(graph.compute_nodes) - {"head/Flatten", "head/fc/Gemm"})
+    slow = dataclasses.replace(blocked, reorder=dataclasses.replace(blocked.reorder, into_blocks=1e6, out_of_blocks=1e6))
+    options = dict(stages=2, microbatches=4, mode="inference", time_limit=10)
+    made = plan(graph, slow, load_target("cpu2"), **options)  # type: ignore[arg-type]
+    assert made.stages[1].nodes == ("head/fc/Gemm",), [s.nodes[-1] for s in made.stages]
+    assert made.bottleneck_seconds == pytest.approx(max(s.forward_seconds + s.comm_in_seconds + s.comm_out_seconds for s in made.stages))
+    # In training the same costs reorder nothing: the planner balances the convolutions instead.
+    assert plan(graph, slow, load_target("cpu2"), stages=2, microbatches=4, time_limit=10).stages[1].nodes != ("head/fc/Gemm",)

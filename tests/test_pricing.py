@@ -82,6 +82,11 @@ def setup(case: RandomModel, target: Target, data: st.DataObject) -> tuple[Probl
     # some weights frozen (int8 behind a DequantizeLinear, a constant fill): held, without gradients, optimizer state or all-reduce
     kept = np.array(data.draw(st.lists(st.sampled_from((0.0, 0.5, 1.0)), min_size=problem.n, max_size=problem.n)))
     problem = dataclasses.replace(problem, trained=problem.trained * kept)
+    if data.draw(st.booleans()):  # cut tensors costing their stages forward seconds (layout reorders, float readers of a dequantized tensor)
+        shape = problem.crossing_sent.shape
+        sent, received = (np.array(data.draw(st.lists(st.sampled_from((0.0, 0.0, 2e-6, 3e-4)), min_size=math.prod(shape), max_size=math.prod(shape))))
+                          .reshape(shape) * (problem.tensor_producer >= 0) for _ in range(2))
+        problem = dataclasses.replace(problem, crossing_sent=sent, crossing_received=received)
     return problem, min(case.stages, len(target.devices))
 
 
@@ -137,7 +142,7 @@ def assert_cpsat_prices_as_the_rule(problem: Problem, bounds: list[int], groups:
     costs = priced(problem, bounds, groups, replicas, recompute)
     blocks = coarsen(problem, problem.n)
     fullest = max(c.memory.total for c in costs)
-    terms = problem.n + len(blocks.nbytes) * k + 4
+    terms = problem.n + len(blocks.nbytes) * (k + 4) + 4
 
     def solve(capacity: float, each: bool = False) -> tuple[str, list[float]]:
         model = _Model(dataclasses.replace(problem, capacity=np.full(len(problem.groups), capacity)), blocks, k, "auto", True, 0.0, math.inf)

@@ -1,7 +1,7 @@
 """Quantized models priced as they run: int8 kernels (QDQ patterns and the integer ops) at the device's int8 rate
 reading int8 operands, QuantizeLinear/DequantizeLinear as memory-bound elementwise nodes, int8 stage boundaries
-sending int8 bytes, a boundary on a dequantized tensor priced at its float size and noted, and a device without
-an int8 rate falling back to float32, noted."""
+sending int8 bytes, a boundary on a dequantized tensor priced at its float size and its int8 readers beyond it at the
+float rate, noted, and a device without an int8 rate falling back to float32, noted."""
 
 from __future__ import annotations
 
@@ -119,6 +119,30 @@ def test_an_int8_boundary_sends_int8_bytes_and_a_dequantized_one_its_float_size_
     assert on_float.stages[0].comm_out_seconds > on_int8.stages[0].comm_out_seconds
     assert on_int8.notes == ()
     assert len(on_float.notes) == 1 and "'hd'" in on_float.notes[0] and "'hq'" in on_float.notes[0] and "float size" in on_float.notes[0]
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_an_int8_kernel_cut_off_from_its_dequantizelinear_is_priced_at_the_float_rate(mode: str) -> None:
+    """Its stage file reads the float tensor as an input: nothing fuses it with its DequantizeLinear, it runs as a float kernel."""
+    from dataclasses import replace
+
+    graph = load(_qdq_chain())
+    costs, target = annotate(graph), load_target("fpga4")
+    batch = graph.batch * 1024  # enough work that the rates, not the per-node overhead, set the kernel's time
+    scaled = plan_cuts(graph, costs, target, [], batch=batch, mode=mode)
+    scale = batch / graph.batch
+
+    def seconds(name: str, **changes: str) -> float:
+        c = replace(costs.nodes[name], **changes)
+        return node_seconds(FPGA, replace(c, flops=c.flops * scale, bytes_read=c.bytes_read * scale, bytes_written=c.bytes_written * scale))
+
+    on_int8 = plan_cuts(graph, costs, target, ["hq"], batch=batch, mode=mode)  # dqh and mm2 in stage 1: the QDQ pattern whole
+    on_float = plan_cuts(graph, costs, target, ["hd"], batch=batch, mode=mode)  # dqh in stage 0, mm2 alone in stage 1
+    assert on_int8.stages[1].forward_seconds == pytest.approx(seconds("dqh") + seconds("mm2"))
+    assert on_float.stages[1].forward_seconds == pytest.approx(seconds("mm2", dtype=""))
+    assert seconds("mm2", dtype="") > 3 * seconds("mm2")
+    assert on_float.stages[0].forward_seconds == pytest.approx(scaled.stages[0].forward_seconds - seconds("mm2"))  # the rest as before
+    assert "its int8 readers beyond the cut at the float rate" in on_float.notes[0]
 
 
 def test_a_device_without_an_int8_rate_prices_int8_at_float32_and_says_so() -> None:

@@ -11,7 +11,9 @@ streamed by `onnxpipe run DIR --repeat N --json` in its own process against `onn
 plan. Goal: simulated throughput within 15% of the measured. Times real runs: run it alone, e.g.
     flock -x -w 1200 /tmp/onnxpipe-quiet.lock .venv/bin/python tools/bench_inference.py --part measured
 Each part prints its table and rewrites its own section of docs/benchmarks.md.
-Run: .venv/bin/python tools/bench_inference.py --part predicted|measured [--time-limit S] [--repeat N] [--runs N] [--models a,b]
+Run: .venv/bin/python tools/bench_inference.py --part predicted|measured [--time-limit S] [--repeat N] [--runs N] [--models a,b] [--targets cpu2]
+[--rows FILE]. `--rows FILE` (measured part) splits it into runs short enough to hold the machine quiet: each run replaces FILE's
+rows of the cases it runs (model and target) with its own, and the table is all of FILE's rows.
 """
 
 from __future__ import annotations
@@ -215,6 +217,7 @@ def measure(name: str, target: str, repeat: int, runs: int, work: Path) -> dict:
     quiet = simulate_plan(saved, tgt)
     loaded = simulate_plan(saved, tgt, background=others)
     return {
+        "model": name, "target": target, "repeat": repeat, "runs": runs,
         "case": f"{name} {target} k={k} m={m}", "load": (load_before + os.getloadavg()[0]) / 2, "background": others,
         "measured": measured["samples_per_s"], "quiet": quiet.samples_per_s, "simulated": loaded.samples_per_s,
         "error_quiet": quiet.samples_per_s / measured["samples_per_s"] - 1, "error": loaded.samples_per_s / measured["samples_per_s"] - 1,
@@ -224,12 +227,14 @@ def measure(name: str, target: str, repeat: int, runs: int, work: Path) -> dict:
     }
 
 
-def measured_section(rows: list[dict], failures: list[str], repeat: int, runs: int, names: tuple[str, ...]) -> str:
+def measured_section(rows: list[dict], failures: list[str], repeat: int, runs: int, names: tuple[str, ...], chunked: bool = False) -> str:
     lines = [
         "## Inference pipelines: simulated against measured throughput (cpu targets)",
         "",
         f"Regenerate (alone on the machine): `flock -x /tmp/onnxpipe-quiet.lock .venv/bin/python tools/{NAME}.py --part measured --repeat {repeat} --runs {runs}` "
-        f"({os.cpu_count()} vCPUs). Each case: plan in inference mode with profiled node costs, split, then `onnxpipe run DIR --repeat {repeat} "
+        + ("(run once per model or case with `--models M --targets T --rows FILE`, each run replacing FILE's rows of its cases: chunks of "
+           "under 10 minutes on a machine held quiet; the table is all of FILE's rows) " if chunked else "")
+        + f"({os.cpu_count()} vCPUs). Each case: plan in inference mode with profiled node costs, split, then `onnxpipe run DIR --repeat {repeat} "
         f"--json` in its own process, {runs} times (worker processes, shared-memory transport; each run's figures are medians of its passes "
         "after a warm-up, a pass the driver's wall time for it; measured = the median run, range = the slowest and fastest runs) against `onnxpipe simulate` of the saved plan. Models at bench_sim's sizes (forward only): "
         + ", ".join(names) + ". Error = simulated / measured - 1 of samples/s; goal |error| <= 15%. Background = runnable processes of "
@@ -252,6 +257,17 @@ def measured_section(rows: list[dict], failures: list[str], repeat: int, runs: i
     return "\n".join(lines)
 
 
+def _merged_rows(path: Path, rows: list[dict]) -> list[dict]:
+    """FILE's earlier rows of other cases, then this run's (written back to FILE), in the table's case order."""
+    done = {(r["model"], r["target"]) for r in rows}
+    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    merged = [r for r in kept if (r["model"], r["target"]) not in done] + rows
+    order = {name: i for i, name in enumerate(TINY)}
+    merged.sort(key=lambda r: (order.get(r["model"], len(order)), r["model"], list(SHAPES).index(r["target"]) if r["target"] in SHAPES else len(SHAPES)))
+    path.write_text("".join(json.dumps(r) + "\n" for r in merged))
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("predicted", "measured"), required=True)
@@ -260,6 +276,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="onnxpipe run processes per case (measured part; the median counts)")
     parser.add_argument("--models", default=None, help="comma-separated zoo models (default: the part's own)")
     parser.add_argument("--targets", default=",".join(SHAPES), help="cpu targets of the measured part")
+    parser.add_argument("--rows", help="JSON lines file (measured part): keep its rows of other cases from earlier runs (a case run again "
+                                       "replaces its row), append this run's, table them all")
     args = parser.parse_args()
     if args.part == "predicted":
         names = tuple(args.models.split(",")) if args.models else BIG
@@ -267,17 +285,26 @@ def main() -> None:
         write_section(f"{NAME}-predicted", section)
     else:
         names = tuple(args.models.split(",")) if args.models else TINY
+        targets = args.targets.split(",")
         rows, failures = [], []
         with tempfile.TemporaryDirectory(prefix="bench-inference-") as tmp:
             for name in names:
-                for target in args.targets.split(","):
+                for target in targets:
                     try:
                         rows.append(measure(name, target, args.repeat, args.runs, Path(tmp)))
                         print(rows[-1], flush=True)
                     except OnnxpipeError as exc:
-                        failures.append(f"{name} {target}: {exc}")
-                        print(failures[-1], flush=True)
-        section = measured_section(rows, failures, args.repeat, args.runs, names)
+                        rows.append({"model": name, "target": target, "failure": f"{name} {target}: {exc}"})
+                        print(rows[-1]["failure"], flush=True)
+        if args.rows:
+            rows = _merged_rows(Path(args.rows), rows)
+            settings = {(r["repeat"], r["runs"]) for r in rows if "failure" not in r}
+            if len(settings) > 1:
+                raise SystemExit(f"{args.rows}: rows of runs with different --repeat/--runs {sorted(settings)}; table one setting per file")
+            names = tuple(dict.fromkeys(r["model"] for r in rows))
+        failures = [r["failure"] for r in rows if "failure" in r]
+        rows = [r for r in rows if "failure" not in r]
+        section = measured_section(rows, failures, args.repeat, args.runs, names, chunked=bool(args.rows))
         write_section(f"{NAME}-measured", section)
     print(section)
 

@@ -35,6 +35,10 @@ class Blocks:
     producer: np.ndarray
     nbytes: np.ndarray
     consumers: tuple[np.ndarray, ...]
+    #: (groups, crossing tensors) forward seconds each costs the producer's stage and a receiving stage
+    #: (`Problem.crossing_sent`, `crossing_received`).
+    crossing_sent: np.ndarray
+    crossing_received: np.ndarray
     #: Most work (forward + recomputed forward + backward, slowest group) a cut inside a block moves
     #: when rounded to the block's nearer boundary.
     rounding_seconds: float
@@ -106,7 +110,7 @@ def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
         return np.add.reduceat(values, starts[:-1], axis=-1)
 
     block_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))  # Blocks.per_node, before the Blocks exist
-    producer, nbytes, consumers = [], [], []
+    producer, nbytes, consumers, kept = [], [], [], []
     for t, p in enumerate(problem.tensor_producer):
         pb = block_of[p] if p >= 0 else -1
         cbs = np.unique(block_of[problem.tensor_consumers[t]])
@@ -115,6 +119,7 @@ def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
             producer.append(pb)
             nbytes.append(problem.tensor_bytes[t])
             consumers.append(cbs)
+            kept.append(t)
     forward, backward = sums(problem.forward), sums(problem.backward)
     return Blocks(
         starts=starts,
@@ -126,6 +131,8 @@ def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
         producer=np.array(producer, dtype=np.int64),
         nbytes=np.array(nbytes, dtype=float),
         consumers=tuple(consumers),
+        crossing_sent=problem.crossing_sent[:, kept],
+        crossing_received=problem.crossing_received[:, kept],
         rounding_seconds=_rounding(problem, starts),
     )
 

@@ -118,7 +118,7 @@ class _Model:
         counts = [len(d) for d in problem.group_devices]
         most = max(1, sum(counts) - k + 1) if replicas else 1
         # Every term is rounded up to whole nanoseconds, so a plan priced at `ceiling` may sit that many above it.
-        self.most_ns = int(math.ceil(ceiling * _NS * (1 + 1e-6))) + nb + len(blocks.nbytes) + 16 if math.isfinite(ceiling) else 2**50
+        self.most_ns = int(math.ceil(ceiling * _NS * (1 + 1e-6))) + nb + 3 * len(blocks.nbytes) + 16 if math.isfinite(ceiling) else 2**50
         self.x = [[cp.NewBoolVar("") for _ in range(k)] for _ in range(nb)]
         for b in range(nb):
             cp.AddExactlyOne(self.x[b])
@@ -164,6 +164,15 @@ class _Model:
             self.came_from.append(came)
             self.went_to.append(went)
             self.sent_to.append(sent)
+        # leaves[t][s]: crossing tensor t, which costs its stage forward seconds when sent (`Blocks.crossing_sent`), leaves stage s.
+        self.leaves: list[list | None] = [None] * len(blocks.nbytes)
+        for t, (p, recv) in enumerate(zip(blocks.producer, self.received)):
+            if recv is not None and blocks.crossing_sent[:, t].any():
+                self.leaves[t] = [cp.NewBoolVar("") for _ in range(k)]
+                for s in range(k):
+                    for d in range(k):
+                        if d != s:
+                            cp.Add(self.leaves[t][s] >= self.x[p][s] + recv[d] - 1)
         self.bottleneck = cp.NewIntVar(min(int(math.floor(floor * _NS)), self.most_ns), self.most_ns, "T")
         #: Per stage: its time in nanoseconds (at least: the model only bounds them by the bottleneck).
         self.stage_ns: list[cp_model.LinearExpr] = []
@@ -216,12 +225,14 @@ class _Model:
             cp.Add(self.bottleneck >= self.stage_ns[-1])
             for o, (g, r) in enumerate(self.options):
                 y = self.y[s][o]
+                cut = self._crossing(s, g, r, crossing)
                 for rc in (False, True):
                     if (recompute == "always" and not rc) or (recompute == "never" and rc):
                         continue
                     flag = self.rc[s] if rc else self.rc[s].Not()
                     seconds = (blocks.forward[g] + recomputed_backward(blocks.forward[g], blocks.backward[g], rc)) / r
-                    cp.Add(comp >= _dot(self.x, s, seconds * _NS, math.ceil)).OnlyEnforceIf([y, flag])
+                    # a recomputing stage runs its forward again, the crossings' part with it (`recomputed_backward`)
+                    cp.Add(comp >= _dot(self.x, s, seconds * _NS, math.ceil) + cut * (2 if rc else 1)).OnlyEnforceIf([y, flag])
                     cap = int(problem.capacity[g] // _KIB)
                     mine = held(flights[s], r)  # whole micro-batches on one replica
                     # Activations per block, and with recompute each tensor it receives (its stash) per micro-batch held.
@@ -240,6 +251,15 @@ class _Model:
                 if r > 1:
                     a0, a1 = problem.allreduce_affine(g, r)
                     cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.trained * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
+
+    def _crossing(self, s: int, g: int, r: int, crossing: list[int]) -> cp_model.LinearExpr:
+        """Forward nanoseconds the tensors stage s receives and sends cost it on group g with r replicas (its share)."""
+        from ortools.sat.python import cp_model
+
+        received, sent = self.blocks.crossing_received[g], self.blocks.crossing_sent[g]
+        terms = [(self.received[t][s], _ceil(received[t] / r * _NS)) for t in crossing if received[t] > 0]
+        terms += [(self.leaves[t][s], _ceil(sent[t] / r * _NS)) for t in crossing if self.leaves[t] is not None and sent[t] > 0]
+        return cp_model.LinearExpr.WeightedSum([v for v, _ in terms], [c for _, c in terms])
 
     def _message(self, t: int, source: int, dest: int, replicas: int) -> int:
         """Nanoseconds one end spends on tensor t between groups source and dest, its share over `replicas`."""
@@ -263,8 +283,8 @@ class _Model:
         for p, g in self.block_group.items():
             for h, v in enumerate(g):
                 cp.AddHint(v, int(groups[layout.block_stage[p]] == h))
-        tensors = zip(self.blocks.producer, self.blocks.consumers, self.received, self.came_from, self.went_to, self.sent_to, self.inputs)
-        for p, cs, recv, came, went, sent, reads in tensors:
+        tensors = zip(self.blocks.producer, self.blocks.consumers, self.received, self.came_from, self.went_to, self.sent_to, self.inputs, self.leaves)
+        for p, cs, recv, came, went, sent, reads, leaves in tensors:
             readers = set(int(layout.block_stage[c]) for c in cs)
             if recv is None:
                 for s in range(k):
@@ -274,6 +294,8 @@ class _Model:
             readers.discard(src)
             for s in range(k):
                 cp.AddHint(recv[s], int(s in readers))
+                if leaves is not None:
+                    cp.AddHint(leaves[s], int(s == src and bool(readers)))
                 for h in range(len(sent[s])):
                     if went is not None:
                         cp.AddHint(came[s][h], int(s in readers and groups[src] == h))

@@ -35,30 +35,38 @@ class Intervals:
     stash_bytes: np.ndarray
     out_bytes: np.ndarray
     out_count: np.ndarray
+    #: (groups, i, j) forward seconds what the stage sends and receives costs it (`Blocks.crossing_sent`,
+    #: `crossing_received`); (groups, 1, 1) zeros when nothing crossing costs any.
+    crossing: np.ndarray
 
 
 def intervals(blocks: Blocks) -> Intervals:
     nb = blocks.count
     shape = (nb + 2, nb + 2)
+    groups = len(blocks.crossing_sent)
+    costly = bool(blocks.crossing_sent.any() or blocks.crossing_received.any())
     in_b, in_c, stash, out_b, out_c = (np.zeros(shape) for _ in range(5))
-    for pb, nbytes, cbs in zip(blocks.producer, blocks.nbytes, blocks.consumers):
+    crossing = np.zeros((groups, *shape)) if costly else np.zeros((groups, 1, 1))
+    for t, (pb, nbytes, cbs) in enumerate(zip(blocks.producer, blocks.nbytes, blocks.consumers)):
         lows = np.concatenate([[pb], cbs[:-1]]) + 1
         cols = cbs + 1
-        for m, w in ((stash, nbytes),) + (((in_b, nbytes), (in_c, 1.0)) if pb >= 0 else ()):
+        received = [(crossing[g], blocks.crossing_received[g, t]) for g in range(groups)] if costly and pb >= 0 else []
+        for m, w in ((stash, nbytes),) + (((in_b, nbytes), (in_c, 1.0), *received) if pb >= 0 else ()):
             np.add.at(m, (lows, cols), w)
             np.add.at(m, (cols, cols), -w)
         if pb >= 0:
             last = cbs[-1]
-            for m, w in ((out_b, nbytes), (out_c, 1.0)):
+            sent = [(crossing[g], blocks.crossing_sent[g, t]) for g in range(groups)] if costly else []
+            for m, w in ((out_b, nbytes), (out_c, 1.0), *sent):
                 m[0, pb + 1] += w
                 m[0, last + 1] -= w
                 m[pb + 1, pb + 1] -= w
                 m[pb + 1, last + 1] += w
 
     def done(m: np.ndarray) -> np.ndarray:
-        return np.cumsum(np.cumsum(m, axis=0), axis=1)[: nb + 1, : nb + 1]
+        return np.cumsum(np.cumsum(m, axis=-2), axis=-1)[..., : nb + 1, : nb + 1]
 
-    return Intervals(done(in_b), done(in_c), done(stash), done(out_b), done(out_c))
+    return Intervals(done(in_b), done(in_c), done(stash), done(out_b), done(out_c), done(crossing) if costly else crossing)
 
 
 def out_links(problem: Problem, group: int) -> tuple[float, float]:
@@ -161,7 +169,7 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
         return cache[key]
     base = cache.get(("base", g, r, gp))
     if base is None:
-        forward = _span(prefix.forward[g]) / r
+        forward = (_span(prefix.forward[g]) + table.crossing[g]) / r
         backward = _span(prefix.backward[g]) / r
         params = _span(prefix.params)
         trained = _span(prefix.trained)

@@ -1,6 +1,7 @@
 """What a plan's prices assumed that its reader should know, as lines for the plan to carry: stage boundaries
-that send int8 data at the float size a DequantizeLinear widened it to, and int8 kernels priced at the float32
-rate on devices whose target lists no int8 rate."""
+that send int8 data at the float size a DequantizeLinear widened it to (and whose int8 readers, cut off from
+their DequantizeLinear, run as float kernels), and int8 kernels priced at the float32 rate on devices whose
+target lists no int8 rate."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _dequantized_cuts(problem: Problem, stage_of: np.ndarray) -> tuple[str, ...]
              f"{int(stage_of[problem.tensor_producer[t]])} as a DequantizeLinear widened int8 '{source}' "
              f"({format_bytes(graph.tensors[source].nbytes * problem.scale)})")
     more = f"; {len(sent) - 1} more such boundary tensor{'s' if len(sent) > 2 else ''}" if len(sent) > 1 else ""
-    return (f"{first}{more}: priced at the float size (a cut before the DequantizeLinear would send the int8 data)",)
+    return (f"{first}{more}: priced at the float size, and its int8 readers beyond the cut at the float rate (nothing fuses them with "
+            f"their DequantizeLinear there; a cut before the DequantizeLinear would send the int8 data)",)
 
 
 def _dequantized(problem: Problem) -> list[tuple[int, str]]:

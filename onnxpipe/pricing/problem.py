@@ -16,8 +16,10 @@ import numpy as np
 
 from onnxpipe import schedule as schedules
 from onnxpipe.cost import Costs, NodeCost, weight_owners
+from onnxpipe.cost_layout import NCHWC
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
+from onnxpipe.quantized import dequantized_source
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.target import Target
 from onnxpipe.units import plural
@@ -75,6 +77,16 @@ class Problem:
     tensor_producer: np.ndarray
     tensor_bytes: np.ndarray
     tensor_consumers: tuple[np.ndarray, ...]
+    #: (groups, tensors) forward seconds per micro-batch a stage on the group's devices spends because the tensor
+    #: crosses a cut: the sending stage (once per tensor) and each receiving stage. Compute, not link time:
+    #: - in inference on cpu devices, reordering it out of and into onnxruntime's blocked layout (`cost_layout`),
+    #:   for a tensor a blocked node writes (sent) or reads (received), at the profiled host's rates;
+    #: - a dequantized tensor (`quantized.dequantized_source`) received: its int8 readers run as float kernels in
+    #:   that stage (their DequantizeLinear is in another stage file, so nothing fuses them), priced at the float
+    #:   rate (measured: their unfused time) instead of the int8 rate (received: the difference).
+    #: Zeros otherwise (training sends no reordered tensor; other devices; models without either).
+    crossing_sent: np.ndarray
+    crossing_received: np.ndarray
     #: (groups, groups) link bandwidth (bytes/s) and latency (s); inf/0 where no link exists.
     bandwidth: np.ndarray
     latency: np.ndarray
@@ -230,6 +242,8 @@ def build_problem(
                 continue
             bandwidth[a, b], latency[a, b] = link.bandwidth, link.latency
     firsts = [target.device(members[g][0]) for g in groups]
+    sent, received = _reorders(costs, firsts, nodes, producer, nbytes, consumers, mode)
+    received += _dequantized_readers(graph, costs, firsts, nodes, names, producer, consumers, forward, scale, dtype, mode)
     return Problem(
         graph=graph,
         costs=costs,
@@ -253,6 +267,8 @@ def build_problem(
         tensor_producer=producer,
         tensor_bytes=nbytes,
         tensor_consumers=consumers,
+        crossing_sent=sent,
+        crossing_received=received,
         bandwidth=bandwidth,
         latency=latency,
         capacity=np.array([d.memory_bytes for d in firsts], dtype=float),
@@ -283,6 +299,39 @@ def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, 
         raise OnnxpipeError(f"batch {batch} does not split into {microbatches} micro-batches; pick a divisor of the batch for --microbatches")
     if not graph.compute_nodes:
         raise OnnxpipeError(f"{graph.source}: the model has no compute nodes (everything is constant); nothing to plan")
+
+
+def _reorders(costs: Costs, devices: list, nodes: tuple[str, ...], producer: np.ndarray, nbytes: np.ndarray, consumers: tuple[np.ndarray, ...],
+              mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """(groups, tensors) reordering seconds of a sent and of a received tensor (`Problem.crossing_sent`,
+    `crossing_received`); `devices`: each group's first device."""
+    sent, received = np.zeros((len(devices), len(nbytes))), np.zeros((len(devices), len(nbytes)))
+    rates = costs.reorder
+    if mode != "inference" or rates is None:
+        return sent, received
+    blocked = np.array([costs.nodes[n].layout == NCHWC for n in nodes], dtype=bool)
+    writes = np.array([p >= 0 and blocked[p] for p in producer], dtype=bool)
+    reads = np.array([bool(blocked[c].any()) for c in consumers], dtype=bool)
+    for g, device in enumerate(devices):
+        if device.kind == "cpu":
+            sent[g] = np.where(writes, rates.seconds(nbytes, sent=True), 0.0)
+            received[g] = np.where(reads & (producer >= 0), rates.seconds(nbytes, sent=False), 0.0)
+    return sent, received
+
+
+def _dequantized_readers(graph: Graph, costs: Costs, devices: list, nodes: tuple[str, ...], names: tuple[str, ...], producer: np.ndarray,
+                         consumers: tuple[np.ndarray, ...], forward: np.ndarray, scale: float, dtype: str, mode: str) -> np.ndarray:
+    """(groups, tensors) seconds the int8 readers of a received dequantized tensor take more as float kernels."""
+    extra = np.zeros((len(devices), len(names)))
+    for t, name in enumerate(names):
+        if producer[t] < 0 or dequantized_source(graph, name) is None:
+            continue
+        for c in consumers[t]:
+            cost = costs.nodes[nodes[c]]
+            if cost.dtype:
+                floated = _scaled(dataclasses.replace(cost, dtype="", measured_inference_seconds=None), scale)
+                extra[:, t] += [max(0.0, node_seconds(d, floated, dtype) - forward[g, c]) for g, d in enumerate(devices)]
+    return extra
 
 
 def _inference_form(cost: NodeCost) -> NodeCost:

@@ -3,7 +3,10 @@
 The rule, per micro-batch of the problem's size, for a stage of r replicas (they take whole micro-batches
 round-robin, so the stage delivers r times one replica's rate and its times are those shares):
 - compute: forward and backward seconds / r; a recomputing stage's backward runs its forward again
-  (`recomputed_backward`);
+  (`recomputed_backward`); a stage's forward also takes what its cut tensors cost it (`Problem.crossing_sent`
+  once per tensor it sends, `Problem.crossing_received` per tensor it receives: reordering between onnxruntime's
+  blocked layout and the plain one in inference on cpu devices, int8 readers of a dequantized tensor run as
+  float kernels), / r as well;
 - messages: each tensor crossing to another stage is one message per receiving stage, priced on the link
   between the two stages' device groups at both ends, `message_seconds` = latency + bytes / (r x bandwidth);
 - all-reduce: the ring all-reduce of its parameter gradients over its replicas, once per iteration, so its
@@ -181,7 +184,7 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
         mask = stage_of == s
         r = len(groups[s])
         recompute = assignment.recompute[s] and problem.training  # inference stashes nothing for a backward
-        forward = float(max(problem.forward[g, mask].sum() for g in groups[s])) / r
+        forward = float(max(problem.forward[g, mask].sum() for g in groups[s]) + comm.crossing[s]) / r
         backward = recomputed_backward(forward, float(max(problem.backward[g, mask].sum() for g in groups[s])) / r, recompute)
         weight = float(max(problem.weight[g, mask].sum() for g in groups[s])) / r
         corun = float(max(problem.corun_forward[g, mask].sum() * (2 if recompute else 1) + problem.corun_backward[g, mask].sum()
@@ -282,12 +285,15 @@ class _Comm:
     out_seconds: np.ndarray
     #: Bytes a recomputing stage stashes per micro-batch: everything it receives, model inputs included.
     stash_bytes: np.ndarray
+    #: Forward seconds per micro-batch (one replica's whole, before / r) its cut tensors cost each stage.
+    crossing: np.ndarray
 
 
 def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarray], k: int) -> _Comm:
     """One message per tensor per consumer stage, from the producer's stage; a replicated stage sends
-    and receives its share of the micro-batch on each replica."""
-    in_b, out_b, in_s, out_s, stash = (np.zeros(k) for _ in range(5))
+    and receives its share of the micro-batch on each replica. A crossing tensor's forward seconds
+    (`Problem.crossing_sent`, `crossing_received`) go to the producer's stage once and to each consumer stage."""
+    in_b, out_b, in_s, out_s, stash, crossing = (np.zeros(k) for _ in range(6))
     replicas = [len(g) for g in groups]
     for t, p in enumerate(problem.tensor_producer):
         nbytes = problem.tensor_bytes[t]
@@ -296,6 +302,8 @@ def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarr
             stash[targets] += nbytes
             continue
         src = stage_of[p]
+        if (targets != src).any():
+            crossing[src] += problem.crossing_sent[groups[src][0], t]
         for dst in targets[targets != src]:
             ga, gb = groups[src][0], groups[dst][0]
             latency, bandwidth = problem.latency[ga, gb], problem.bandwidth[ga, gb]
@@ -304,7 +312,8 @@ def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarr
             stash[dst] += nbytes
             in_s[dst] += message_seconds(latency, nbytes, replicas[dst], bandwidth)
             out_s[src] += message_seconds(latency, nbytes, replicas[src], bandwidth)
-    return _Comm(in_b, out_b, in_s, out_s, stash)
+            crossing[dst] += problem.crossing_received[gb, t]
+    return _Comm(in_b, out_b, in_s, out_s, stash, crossing)
 
 
 def _tied(problem: Problem, stage_of: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:
