@@ -50,8 +50,17 @@ class KernelModel:
     #: reduction length K of `reduction_half` and at `columns_half` output columns N: factor K/(K+k½) x N/(N+n½).
     reduction_half: float = 0.0
     columns_half: float = 0.0
-    #: Effective speed-up of 3x3 stride-1 convolutions (Winograd-class algorithms do fewer multiplies).
+    #: Arithmetic a Winograd-class algorithm saves on a 3x3 stride-1 convolution (direct multiplies over its multiplies).
     winograd_speedup: float = 1.0
+    #: Bytes such an algorithm moves through device memory per byte of the convolution's operands, beyond reading
+    #: and writing them once: its transforms write them out in the transformed domain and read them back.
+    #: It is what makes large feature maps with few channels lose the saving (they run as implicit GEMMs then).
+    winograd_traffic: float = 0.0
+    #: Streaming multiprocessors (compute units) a kernel's output tiles are spread over, one tile each per
+    #: wave; 0 leaves the tile count out (a GEMM of few tiles then runs at its op class's efficiency).
+    multiprocessors: float = 0.0
+    #: Edge of a GEMM kernel's square output tile, in rows and columns.
+    tile: float = 128.0
 
 
 #: Defaults for gpu devices whose target file gives no `[devices.kernels]` table.
@@ -62,11 +71,17 @@ class KernelModel:
 #:   64-128 columns and K-steps of 8-32 with a multi-stage pipeline, so a K under ~64 or an N under ~32 leaves
 #:   the pipeline and the tile mostly idle (NVIDIA "Matrix Multiplication Background User's Guide": tile and
 #:   wave quantization; "Convolutional Layers User's Guide": few channels run far from peak). Estimate.
-#: - winograd_speedup 1.5: F(2x2,3x3) Winograd needs 2.25x fewer multiplies than direct convolution, its
-#:   transforms take part of that back (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks",
-#:   CVPR 2016); measured: VGG-16's FP32 3x3 layers on an H100 run at 33-69 TFLOP/s of direct-convolution
-#:   FLOPs against a 67 TFLOP/s peak (shared/measured/h100), which only a reduced-arithmetic algorithm does.
-GPU_KERNELS = KernelModel(memory_efficiency=0.9, reduction_half=64.0, columns_half=32.0, winograd_speedup=1.5)
+#: - winograd_speedup 2.25, winograd_traffic 8: F(2x2,3x3) Winograd computes each 2x2 output tile from a 4x4
+#:   input tile with 16 multiplies instead of 36 (2.25x), and its transformed input and output hold 16 values
+#:   per 4 outputs (4x the data), written by one kernel and read by the next (8x) (Lavin & Gray, "Fast
+#:   Algorithms for Convolutional Neural Networks", CVPR 2016, sec. 4; cuDNN's WINOGRAD_NONFUSED runs the
+#:   transforms and the batched GEMM as separate kernels). Exact counts of the algorithm, not estimates.
+#:   measured: VGG-16's FP32 3x3 backward at 28x28 on an H100 runs at 1.6x the 67 TFLOP/s peak in direct-
+#:   convolution FLOPs, which only a reduced-arithmetic algorithm does (shared/measured/h100).
+#: - tile 128: CUTLASS's and cuBLAS's FP32 SGEMM kernels compute 128x128 output tiles, one per thread block
+#:   (CUTLASS default SGEMM threadblock shape 128x128x8; NVIDIA "Matrix Multiplication Background User's
+#:   Guide", tile quantization). multiprocessors: per device, from its datasheet (0 here: unknown).
+GPU_KERNELS = KernelModel(memory_efficiency=0.9, reduction_half=64.0, columns_half=32.0, winograd_speedup=2.25, winograd_traffic=8.0, tile=128.0)
 
 
 @dataclass(frozen=True)
@@ -445,6 +460,10 @@ def _parse_device(table: Any, origin: str, path: str) -> tuple[str, int, dict[st
     return group, count, fields
 
 
+#: `[devices.kernels]` keys whose 0 leaves their term out of the time model.
+_ZERO_MEANS_OFF = ("reduction_half", "columns_half", "winograd_traffic", "multiprocessors")
+
+
 def _parse_kernels(table: dict[str, Any], kind: str, origin: str, path: str) -> KernelModel:
     """`[devices.kernels]` over the kind's defaults (`GPU_KERNELS` for gpu devices, neutral otherwise)."""
     base = GPU_KERNELS if kind == "gpu" else KernelModel()
@@ -456,8 +475,9 @@ def _parse_kernels(table: dict[str, Any], kind: str, origin: str, path: str) -> 
     values = {}
     for key in sub:
         value = sub[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (key != "reduction_half" and key != "columns_half" and value <= 0):
-            _fail(origin, f"{path}.kernels.{key}", f"expected a {'number >= 0' if key.endswith('_half') else 'positive number'}, got {value!r}")
+        may_be_zero = key in _ZERO_MEANS_OFF
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (not may_be_zero and value <= 0):
+            _fail(origin, f"{path}.kernels.{key}", f"expected a {'number >= 0' if may_be_zero else 'positive number'}, got {value!r}")
         if key == "memory_efficiency" and value > 1:
             _fail(origin, f"{path}.kernels.{key}", f"a fraction of memory_bandwidth must be in (0, 1], got {value!r}")
         values[key] = float(value)

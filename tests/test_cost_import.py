@@ -208,29 +208,82 @@ def test_block_times_need_a_target(small, tmp_path):
 # --- the GPU time model's shape terms and the h100x8 target -----------------------
 
 
-def _conv(k, n, winograd=False, kernels=2.0):
-    return NodeCost(op_type="Conv", op_class="conv", flops=1e12, bytes_read=1e6, bytes_written=1e6, param_bytes=0, activation_bytes=1e6,
-                    backward_flops=2e12, backward_bytes=3e6, gemm_k=k, gemm_n=n, winograd=winograd, backward_kernels=kernels)
+def _conv(k, n, winograd=False, kernels=2.0, flops=1e12, nbytes=1e6):
+    return NodeCost(op_type="Conv", op_class="conv", flops=flops, bytes_read=nbytes, bytes_written=nbytes, param_bytes=0, activation_bytes=nbytes,
+                    backward_flops=2 * flops, backward_bytes=3 * nbytes, gemm_k=k, gemm_n=n, winograd=winograd, backward_kernels=kernels)
 
 
-def test_gemm_shape_and_winograd_terms():
+def _vgg_conv(side, c_in, c_out, batch=32):
+    """A VGG-shaped 3x3 stride-1 convolution at `side` x `side`: FLOPs and activation bytes as onnxpipe counts them."""
+    rows = batch * side * side
+    return _conv(9 * c_in, c_out, winograd=True, flops=2.0 * rows * 9 * c_in * c_out, nbytes=4.0 * rows * (c_in + c_out) / 2)
+
+
+def test_gemm_shape_terms():
     model = GPU_KERNELS
     assert shape_factor(model, _conv(4608, 512)) == pytest.approx(4608 / (4608 + 64) * 512 / (512 + 32))
     assert shape_factor(model, _conv(27, 64)) < 0.25 * shape_factor(model, _conv(4608, 512))  # 3 input channels x 3x3: far from peak
-    assert shape_factor(model, _conv(576, 64, winograd=True)) == pytest.approx(1.5 * shape_factor(model, _conv(576, 64)))
     assert shape_factor(KernelModel(), _conv(27, 64, winograd=True)) == 1.0  # neutral: the plain roofline
     device = load_target("h100x8").devices[0]
-    big = _conv(4608, 512)
-    expected = 1e12 / (67e12 * 0.7 * shape_factor(model, big))
+    big = _conv(4608, 512)  # 1e12 FLOPs: 211,928 rows x 512 columns, 1,656 x 4 tiles of 128, on 132 SMs
+    expected = 1e12 / (67e12 * 0.7 * shape_factor(model, big) * 6624 / (6624 + 132 / 2))
     assert node_seconds(device, big) == pytest.approx(expected + 5e-6)
     assert node_seconds(device, big, backward=True) == pytest.approx(2 * expected + 2 * 5e-6)  # two kernels, two launches
+
+
+def test_few_output_tiles_leave_multiprocessors_idle():
+    """The wave term: a GEMM of fewer tiles than multiprocessors runs at tiles/(tiles + SMs/2) of its rate."""
+    h100 = replace(GPU_KERNELS, multiprocessors=132)
+    batch32 = NodeCost(op_type="Gemm", op_class="matmul", flops=2.0 * 32 * 25088 * 4096, bytes_read=4.0 * 25088 * 4096, bytes_written=4.0 * 32 * 4096,
+                       param_bytes=0, activation_bytes=0, backward_flops=0, backward_bytes=0, gemm_k=25088, gemm_n=4096)  # VGG-16's fc6 at batch 32
+    assert shape_factor(h100, batch32) == pytest.approx(shape_factor(GPU_KERNELS, batch32) * 32 / (32 + 66))  # 1 x 32 tiles
+    large = _vgg_conv(56, 256, 256)  # 100,352 rows x 256: 1,568 tiles, 12 waves
+    assert 0.95 < shape_factor(h100, large) / shape_factor(GPU_KERNELS, large) < 1.0
+
+
+@pytest.mark.parametrize("side,c_in,c_out,gain", [(224, 3, 64, (1.0, 1.0)), (224, 32, 32, (1.0, 1.0)), (224, 64, 64, (1.0, 1.1)), (28, 512, 512, (1.5, 2.25))])
+def test_winograd_pays_for_its_transforms(side, c_in, c_out, gain):
+    """A 3x3 stride-1 convolution runs the faster of implicit GEMM and Winograd: 2.25x less arithmetic, but its
+    transforms move 8x the operands through memory, so large maps with few channels keep little or none of it."""
+    device = replace(load_target("h100x8").devices[0], op_overhead=0.0)
+    conv = _vgg_conv(side, c_in, c_out)
+    direct = node_seconds(device, replace(conv, winograd=False))
+    rate = 67e12 * 0.7 * shape_factor(device.kernels, conv)
+    bandwidth = 3350e9 * 0.9
+    nbytes = conv.bytes_read + conv.bytes_written
+    winograd = max(conv.flops / (rate * 2.25), nbytes / bandwidth) + 8 * nbytes / bandwidth
+    assert node_seconds(device, conv) == pytest.approx(min(direct, winograd))
+    assert gain[0] <= direct / node_seconds(device, conv) <= gain[1]
+    neutral = replace(device, kernels=replace(device.kernels, winograd_speedup=1.0))
+    assert node_seconds(neutral, conv) == pytest.approx(direct)
+
+
+@pytest.mark.parametrize("line,message", [
+    ("multiprocessors = 0", None),  # 0: no wave term
+    ("winograd_traffic = 0", None),
+    ("tile = 0", r"devices\[0\]\.kernels\.tile: expected a positive number, got 0"),
+    ("winograd_traffic = -8", r"devices\[0\]\.kernels\.winograd_traffic: expected a number >= 0, got -8"),
+    ("multiprocessors = \"132\"", r"devices\[0\]\.kernels\.multiprocessors: expected a number >= 0, got '132'"),
+])
+def test_kernel_table_values_are_checked(tmp_path, line, message):
+    text = open(load_target("h100x8").source).read()
+    key = line.split(" = ")[0]
+    lines = [f"{line}  # edited" if row.startswith(f"{key} = ") else row for row in text.splitlines()]
+    path = tmp_path / "edited.toml"
+    path.write_text("\n".join(lines))
+    if message is None:
+        assert getattr(load_target(str(path)).devices[0].kernels, key) == 0
+    else:
+        with pytest.raises(OnnxpipeError, match=message):
+            load_target(str(path))
 
 
 def test_h100x8_is_one_dgx_node():
     target = load_target("h100x8")
     assert target.summary() == "8x h100 (gpu)"
     d = target.devices[0]
-    assert (d.peak_flops["float32"], d.memory_bandwidth, d.memory_bytes, d.kernels) == (67e12, 3350e9, 80e9, GPU_KERNELS)
+    assert (d.peak_flops["float32"], d.memory_bandwidth, d.memory_bytes, d.kernels) == (67e12, 3350e9, 80e9, replace(GPU_KERNELS, multiprocessors=132))
+    assert load_target("gpu4").devices[0].kernels == replace(GPU_KERNELS, multiprocessors=80)  # V100: 80 SMs
     link = target.link("h100_0", "h100_7")
     assert (link.bandwidth, link.topology) == (450e9, "switch")
 
@@ -247,7 +300,7 @@ def test_calibration_recovers_a_device_from_the_times_it_produced(tmp_path):
     costs = annotate(graph)
     base = load_target("h100x8")
     truth = replace(base.devices[0], efficiency={**base.devices[0].efficiency, "conv": 0.35}, op_overhead=12e-6,
-                    kernels=replace(GPU_KERNELS, memory_efficiency=0.6))
+                    kernels=replace(base.devices[0].kernels, memory_efficiency=0.6))
     forward = {n: node_seconds(truth, c) for n, c in costs.nodes.items()}
     backward = {n: node_seconds(truth, c, backward=True) for n, c in costs.nodes.items()}
     from onnxpipe.cost import with_measurements

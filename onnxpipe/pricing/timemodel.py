@@ -3,6 +3,8 @@ host effects of cpu workers (co-run slowdown, CPU per message). Pure functions o
 
 from __future__ import annotations
 
+import math
+
 from onnxpipe.cost import NodeCost
 from onnxpipe.target import Device, KernelModel, MessageCpu, Target
 
@@ -17,19 +19,26 @@ def node_seconds(device: Device, cost: NodeCost, dtype: str = "float32", backwar
         max(flops / (peak x efficiency[op class] x shape_factor), bytes / (bandwidth x memory_efficiency))
         + op_overhead x kernels    (1 forward, the node's backward_kernels backward)
 
+    A 3x3 stride-1 convolution takes the faster of that and a Winograd-class algorithm (as cuDNN's autotuner
+    does): winograd_speedup times less arithmetic, plus its transforms' winograd_traffic x bytes through memory.
     The peak is the device's rate for the node's own dtype where it has one (an int8 kernel of a quantized
     model: `NodeCost.dtype`), else for `dtype` (the model's float type), else its float32 rate (`rate_dtype`).
     With `KernelModel()`'s neutral values (cpu and fpga devices by default) this is the plain roofline."""
     measured = cost.measured_backward_seconds if backward else cost.measured_seconds
     if measured is not None and device.kind == (cost.measured_on or "cpu"):
         return measured
+    model = device.kernels
     flops = cost.backward_flops if backward else cost.flops
     nbytes = cost.backward_bytes if backward else cost.bytes_read + cost.bytes_written
     peak = device.peak_flops[rate_dtype(device, cost.dtype or dtype)]
-    efficiency = device.efficiency.get(cost.op_class, device.efficiency.get("default", 1.0)) * shape_factor(device.kernels, cost)
+    rate = peak * device.efficiency.get(cost.op_class, device.efficiency.get("default", 1.0)) * shape_factor(model, cost)
     kernels = cost.backward_kernels if backward else 1.0
-    memory = nbytes / (device.memory_bandwidth * device.kernels.memory_efficiency)
-    return max(flops / (peak * efficiency), memory) + device.op_overhead * kernels
+    bandwidth = device.memory_bandwidth * model.memory_efficiency
+    memory = nbytes / bandwidth
+    seconds = max(flops / rate, memory)
+    if cost.winograd and model.winograd_speedup > 1:
+        seconds = min(seconds, max(flops / (rate * model.winograd_speedup), memory) + model.winograd_traffic * nbytes / bandwidth)
+    return seconds + device.op_overhead * kernels
 
 
 def rate_dtype(device: Device, dtype: str) -> str:
@@ -39,12 +48,18 @@ def rate_dtype(device: Device, dtype: str) -> str:
 
 def shape_factor(model: KernelModel, cost: NodeCost) -> float:
     """How far a matmul's or convolution's kernel gets from its op class's efficiency because of its implicit
-    GEMM's shape: K/(K+reduction_half) x N/(N+columns_half) (`NodeCost.gemm_k`, `gemm_n`), times
-    winograd_speedup for 3x3 stride-1 convolutions; 1 for other ops."""
+    GEMM's shape (`NodeCost.gemm_k`, `gemm_n`; M = flops / 2KN rows): K/(K+reduction_half) x N/(N+columns_half)
+    for short reductions and few columns, times tiles/(tiles + multiprocessors/2) for a kernel of few output
+    tiles (tiles = ceil(M/tile) x ceil(N/tile); its last wave over the multiprocessors is half empty on average,
+    NVIDIA "Matrix Multiplication Background User's Guide": wave quantization); 1 for other ops."""
     if not cost.gemm_k or not cost.gemm_n:
         return 1.0
     factor = cost.gemm_k / (cost.gemm_k + model.reduction_half) * cost.gemm_n / (cost.gemm_n + model.columns_half)
-    return factor * (model.winograd_speedup if cost.winograd else 1.0)
+    if model.multiprocessors:
+        rows = cost.flops / (2 * cost.gemm_k * cost.gemm_n)
+        tiles = max(1, math.ceil(rows / model.tile)) * math.ceil(cost.gemm_n / model.tile)
+        factor *= tiles / (tiles + model.multiprocessors / 2)
+    return factor
 
 
 def transfer_seconds(target: Target, a: str, b: str, nbytes: float) -> float:
