@@ -7,7 +7,7 @@ worker finishing an action; `start_seconds` for start-up).
 
 A backend is how the workers run and talk; it implements `Backend` (six members) and runs a
 `stage.StageServer` per worker. Two exist: `processes.ProcessBackend` (one spawned process per stage
-replica, shared memory: the default) and `local.LocalBackend` (every stage in this process, taking
+replica, or per device holding several stages (`host`), shared memory: the default) and `local.LocalBackend` (every stage in this process, taking
 turns: tests and the unpartitioned reference). Training (`train_step`) and inference (`infer`) go
 through the same servers and tables.
 

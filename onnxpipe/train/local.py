@@ -1,8 +1,8 @@
 """Every stage in this process, running the same lowered schedule rows and `StageServer`s as worker
 processes: the backend of the tests and of the unpartitioned reference.
 
-Workers (one per stage replica) take turns: each runs actions until one would wait for data another
-has not sent yet. Errors raise here, with their own traceback.
+Hosts (`host.hosts`: a stage replica, or a device's stages) take turns: each runs its row's actions in
+order until one would wait for data another has not sent yet. Errors raise here, with their own traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.schedule import Action
 from onnxpipe.train.executor import Executor, Failure
-from onnxpipe.train.messages import Command, Ready, Reply
+from onnxpipe.train.host import Host, hosts
+from onnxpipe.train.messages import Command, Infer, Ready, Reply, Train
 from onnxpipe.train.stage import StageProgram, StageRunner, StageServer, StageSpec
 from onnxpipe.train.transport import LocalTransport
 
@@ -22,11 +23,12 @@ __all__ = ["LocalBackend", "LocalPipeline"]
 
 
 class LocalBackend:
-    """Commands run when the driver asks for replies: every worker's row, taking turns."""
+    """Commands run when the driver asks for replies: every host's row, taking turns."""
 
     def __init__(self, specs: Sequence[StageSpec]) -> None:
         inboxes: dict[int, dict[tuple[str, int], np.ndarray]] = {}
         self.servers = [StageServer(s, LocalTransport(inboxes, s.worker)) for s in specs]
+        self.hosts = [Host([self.servers[w] for w in ws]) for ws in hosts(specs)]
         self.driver = LocalTransport(inboxes, -1)
         self._pending: dict[int, Command] = {}
         self._ready: list[Reply] = [Ready(s.worker) for s in specs]
@@ -38,24 +40,25 @@ class LocalBackend:
     def replies(self, timeout: float) -> list[Reply]:
         out, self._ready = self._ready, []
         pending, self._pending = self._pending, {}
-        self._take_turns({w: self.servers[w].row(c) for w, c in pending.items()})
+        runs = {h: pending[h.workers[0]] for h in self.hosts if isinstance(pending.get(h.workers[0]), (Train, Infer))}
+        self._take_turns({h: h.row(c) for h, c in runs.items()})
         return out + [self.servers[w].reply(c) for w, c in pending.items()]
 
-    def _take_turns(self, rows: dict[int, tuple[Action, ...]]) -> None:
+    def _take_turns(self, rows: dict[Host, tuple[tuple[StageServer, Action], ...]]) -> None:
         cursors = dict.fromkeys(rows, 0)
-        while any(cursors[w] < len(row) for w, row in rows.items()):
+        while any(cursors[h] < len(row) for h, row in rows.items()):
             progress = False
-            for w, row in rows.items():
-                program = self.servers[w].program
-                while cursors[w] < len(row) and program.ready(row[cursors[w]]):
-                    program.perform(row[cursors[w]])
-                    cursors[w] += 1
+            for h, row in rows.items():
+                while cursors[h] < len(row) and h.ready(*row[cursors[h]]):
+                    h.perform(*row[cursors[h]])
+                    cursors[h] += 1
                     self._done += 1
                     progress = True
             if not progress:
-                stuck = next(w for w, row in rows.items() if cursors[w] < len(row))
-                spec = self.servers[stuck].runner.spec
-                raise OnnxpipeError(f"pipeline stalled: stage {spec.index} replica {spec.replica} waits at {rows[stuck][cursors[stuck]]}")
+                stuck = next(h for h, row in rows.items() if cursors[h] < len(row))
+                server, action = rows[stuck][cursors[stuck]]
+                spec = server.runner.spec
+                raise OnnxpipeError(f"pipeline stalled: stage {spec.index} replica {spec.replica} waits at {action}")
 
     def health(self) -> list[Failure]:
         return []

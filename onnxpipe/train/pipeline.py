@@ -1,7 +1,7 @@
 """`Pipeline`: the public face of pipelined training. From a model (planned on a target through the
 plan API and split into a temporary stage directory) or from a stage directory (on the target its
-manifest names); runs stages as worker processes, one per stage replica (or in-process), evaluates
-through the same workers, and saves, loads and exports what it trained.
+manifest names); runs stages as worker processes, one per stage replica or per device holding several
+stages (or in-process), evaluates through the same workers, and saves, loads and exports what it trained.
 
 Reading order: `Pipeline.__init__` -> `_stage_directory` -> train_step / evaluate -> metrics
 -> save / load / export.
@@ -34,6 +34,7 @@ from onnxpipe.target import BACKENDS, load_target
 from onnxpipe.train.checkpoint import load_checkpoint, save_checkpoint
 from onnxpipe.train.data import split_microbatches
 from onnxpipe.train.executor import Executor
+from onnxpipe.train.host import hosts
 from onnxpipe.train.infer import join_microbatches
 from onnxpipe.train.leftovers import sweep_dead_runs, temp_dir
 from onnxpipe.train.local import LocalPipeline
@@ -112,6 +113,8 @@ class Pipeline:
             self.stages = len(self.manifest.stages)
             #: Per worker: (stage, replica).
             self.places = tuple((s.index, s.replica) for s in specs)
+            #: Devices (times replicas) the workers run on: a device holding several stages (`host.hosts`) counts once.
+            self.devices = len(hosts(specs))
             self.engine = _engine(specs, self.manifest, self.target, backend, address, device, processes)
         except BaseException:
             self.close()
@@ -203,13 +206,14 @@ class Pipeline:
 
         Measurements are per worker; `stages` keeps one entry per stage whose figures are the largest
         over its replicas, and `replicas` lists each replica's own (one entry for an unreplicated stage).
-        Fractions are over all workers: bubble = 1 - sum(busy) / (workers x step seconds)."""
+        Fractions are over all devices (a device holding several stages counts once, as in the simulator):
+        bubble = 1 - sum(busy) / (devices x step seconds)."""
         steady = slice(1, None) if len(self._seconds) > 1 else slice(None)
         seconds = statistics.median(self._seconds[steady]) if self._seconds else 0.0
         busy = [statistics.median(col) for col in zip(*self._busy[steady])] if self._busy else []
         copy = [statistics.median(col) for col in zip(*self._copy[steady])] if self._copy else []
         copy_cpu = [statistics.median(col) for col in zip(*self._copy_cpu[steady])] if self._copy_cpu else []
-        workers = len(self.places)
+        devices = self.devices
         per_worker = [
             {"replica": r, "busy_seconds": b, "transfer_seconds": c,
              "peak_memory_bytes": (self._peaks[w] or None) if w < len(self._peaks) else None,
@@ -230,9 +234,9 @@ class Pipeline:
             "step_seconds": seconds,
             "iteration_seconds": seconds,
             "samples_per_s": self.batch / seconds if seconds else 0.0,
-            "bubble_fraction": max(0.0, 1 - sum(busy) / (workers * seconds)) if seconds else 0.0,
-            "transfer_fraction": sum(copy) / (workers * seconds) if seconds else 0.0,
-            "transfer_cpu_fraction": sum(copy_cpu) / (workers * seconds) if seconds else 0.0,
+            "bubble_fraction": max(0.0, 1 - sum(busy) / (devices * seconds)) if seconds else 0.0,
+            "transfer_fraction": sum(copy) / (devices * seconds) if seconds else 0.0,
+            "transfer_cpu_fraction": sum(copy_cpu) / (devices * seconds) if seconds else 0.0,
             "stages": stages,
             "schedule": self.config.schedule,
             "microbatches": self.config.microbatches,

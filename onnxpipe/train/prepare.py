@@ -15,7 +15,7 @@ import onnx
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.protostream import load_weights, read_model, weights_dir
-from onnxpipe.schedule import SCHEDULES, Table, add_communication, build, forward_only, replicate, table
+from onnxpipe.schedule import SCHEDULES, Action, Table, add_communication, build, forward_only, replicate, table
 from onnxpipe.target import load_target
 from onnxpipe.nodes import trained_initializers
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs
@@ -85,7 +85,9 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
     _ensure_replicas(layout, k)
     compute = table(config.schedule, k, config.microbatches)
     split = any(a.op == "W" for row in compute for a in row)
-    rows = replicate(stage_rows(add_communication(compute), k), layout.replicas)
+    lowered = add_communication(compute)
+    rows = replicate(stage_rows(lowered, k), layout.replicas)
+    device_rows = _device_rows(lowered, layout) if len(lowered) < k else {}
     forward_rows = _forward_rows(k, config.microbatches, layout)
     graphs: dict[int, StageGraphs] = {}
     grad_readers: dict[str, list[int]] = {}
@@ -131,16 +133,33 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
         for j in range(layout.count(st.index)):
             w = layout.worker(st.index, j)
             specs.append(StageSpec(st.index, g, wiring, rows[w], config.microbatches, config.optimizer,
-                                   threads[st.index] if threads else config.threads, j, layout, halves, forward_rows[w], st.file))
+                                   threads[st.index] if threads else config.threads, j, layout, halves, forward_rows[w], st.file,
+                                   device_row=device_rows.get(w, ())))
     return tuple(specs)
 
 
 def stage_rows(lowered: Table, stages: int) -> Table:
     """One row per stage: a device holding several stages (interleaved 1F1B, ZB-V) gives each its own
-    worker, running its actions in the device's order (a subsequence of a deadlock-free order)."""
+    worker (transport address, spec and row: its actions in the device's order), and one process runs
+    them all in the device's order (`_device_rows`, `host`)."""
     if len(lowered) == stages:
         return lowered
     return tuple(tuple(a for row in lowered for a in row if a.stage == s) for s in range(stages))
+
+
+def _device_rows(lowered: Table, layout: Layout) -> dict[int, tuple[Action, ...]]:
+    """Per worker of a device holding several stages: the device's row for its replica (`schedule.replicate`
+    deals each row out the same way), which one worker process runs for all of that replica's stages."""
+    out: dict[int, tuple[Action, ...]] = {}
+    for row in lowered:
+        stages = sorted({a.stage for a in row})
+        counts = {layout.count(s) for s in stages}
+        if len(counts) > 1:
+            raise OnnxpipeError(f"stages {', '.join(map(str, stages))} share a device but have different replica counts "
+                                f"({', '.join(str(layout.count(s)) for s in stages)}); give them the same count")
+        for j, dealt in enumerate(replicate((row,), (counts.pop(),))):
+            out.update({layout.worker(s, j): dealt for s in stages})
+    return out
 
 
 def _read_stage(path: Path) -> onnx.ModelProto:

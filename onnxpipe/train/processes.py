@@ -1,9 +1,10 @@
-"""The default backend: one spawned worker process per stage replica (`worker.worker_main`), tensors
-through shared memory (`ShmTransport`), commands and replies over a pair of pipes per worker.
+"""The default backend: one spawned worker process per host (`host.hosts`: a stage replica, or a device
+holding several stages; `worker.worker_main`), tensors through shared memory (`ShmTransport`, one inbox
+per stage replica), commands (addressed to a worker) and replies over a pair of pipes per process.
 
-Nothing here can block the driver on a worker: each worker's commands (its spec first, ~the stage's
+Nothing here can block the driver on a worker: each process's commands (its specs first, ~the stages'
 size) are written by a sender thread of its own, its replies read by a reader thread into one queue,
-and the driver's end of every pipe a worker reads is its only other end, so a dead worker breaks it.
+and the driver's end of every pipe a process reads is its only other end, so a dead process breaks it.
 Workers start with SIGINT ignored (inherited through exec): Ctrl-C goes to the driver alone.
 
 Reading order: `ProcessBackend` (start, command, replies, health, close) -> `ProcessPipeline`.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxpipe.train.executor import Executor, Failure
+from onnxpipe.train.host import hosts
 from onnxpipe.train.leftovers import segment_prefix
 from onnxpipe.train.messages import Command, Reply, Stop
 from onnxpipe.train.stage import StageSpec
@@ -99,42 +101,47 @@ class ProcessBackend:
             self._current[w * SLOTS] = OPS.index("setup")
         self.driver = ShmTransport(self.prefix + "d", self._inboxes, -1)
         self._replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        self._hosts = hosts(specs)
+        #: The process (index into `_procs`) of each worker.
+        self._host_of = {w: h for h, ws in enumerate(self._hosts) for w in ws}
         self._procs: list[Any] = []
         self._senders: list[_Sender] = []
         self._readers: list[Any] = []
         self._stopped: dict[int, float] = {}
         self._closed = False
         try:
-            for spec in specs:
-                self._start(ctx, spec)
+            for ws in self._hosts:
+                self._start(ctx, tuple(specs[w] for w in ws))
         except BaseException:
             self.close(force=True)
             raise
 
-    def _start(self, ctx: Any, spec: StageSpec) -> None:
-        w = spec.worker
+    def _start(self, ctx: Any, specs: tuple[StageSpec, ...]) -> None:
+        h = len(self._procs)
         their_commands, commands = ctx.Pipe(duplex=False)
         replies, their_replies = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker_main, name=f"onnxpipe-stage-{spec.index}-{spec.replica}", daemon=True,
-                           args=(w, their_commands, their_replies, self._inboxes, self.prefix, self._current))
+        name = "+".join(str(s.index) for s in specs)
+        proc = ctx.Process(target=worker_main, name=f"onnxpipe-stage-{name}-{specs[0].replica}", daemon=True,
+                           args=(their_commands, their_replies, self._inboxes, self.prefix, self._current))
         with _sigint_ignored():
             proc.start()
         self._procs.append(proc)
-        their_commands.close()  # the worker's ends live in the worker only: its death breaks the pipes
+        their_commands.close()  # the process's ends live in the process only: its death breaks the pipes
         their_replies.close()
-        sender = _Sender(commands, f"onnxpipe-send-{w}")
+        sender = _Sender(commands, f"onnxpipe-send-{h}")
         sender.start()
         self._senders.append(sender)
         self._readers.append(replies)
-        threading.Thread(target=_read_replies, args=(replies, self._replies), name=f"onnxpipe-read-{w}", daemon=True).start()
-        sender.outbox.put(spec)
+        threading.Thread(target=_read_replies, args=(replies, self._replies), name=f"onnxpipe-read-{h}", daemon=True).start()
+        sender.outbox.put(specs)
 
     @property
     def pids(self) -> list[int]:
+        """One per process: per stage replica, or per device holding several stages."""
         return [p.pid for p in self._procs]
 
     def command(self, worker: int, command: Command) -> None:
-        self._senders[worker].outbox.put(command)
+        self._senders[self._host_of[worker]].outbox.put((worker, command))
 
     def replies(self, timeout: float) -> list[Reply]:
         try:
@@ -150,20 +157,26 @@ class ProcessBackend:
     def health(self) -> list[Failure]:
         now = time.monotonic()
         bad = []
-        for w, proc in enumerate(self._procs):
+        for h, proc in enumerate(self._procs):
+            w = self._busiest(h)
             if proc.exitcode is not None:
                 bad.append(Failure(w, None, f"worker exited with code {proc.exitcode}", now))
             elif _process_state(proc.pid) in ("T", "t"):
-                since = self._stopped.setdefault(w, now)
+                since = self._stopped.setdefault(h, now)
                 if now - since >= STOPPED_SECONDS:
                     bad.append(Failure(w, None, f"worker process {proc.pid} is stopped (SIGSTOP, or a debugger holds it) "
                                                 f"for {now - since:.0f} s; continue it with `kill -CONT {proc.pid}` and rerun", now))
             else:
-                self._stopped.pop(w, None)
+                self._stopped.pop(h, None)
         return bad
 
+    def _busiest(self, host: int) -> int:
+        """The process's worker that was in an action (or in setup), else its first."""
+        ws = self._hosts[host]
+        return next((w for w in ws if self._current[w * SLOTS]), ws[0])
+
     def progress(self) -> int:
-        return sum(self._current[w * SLOTS + 2] for w in range(len(self._procs)))
+        return sum(self._current[w * SLOTS + 2] for w in self._host_of)
 
     def where(self, worker: int) -> tuple[str, int]:
         code = self._current[worker * SLOTS]

@@ -2,7 +2,9 @@
 the plan says (`ray_placement`), tensors move through Ray's shared-memory channels (`ray_transport`),
 and the driver's commands (`messages`) are actor calls whose return values are the workers' replies.
 The executor core (`executor.Executor`) drives it exactly as it drives the local backends: the same
-schedule rows, the same `StageServer` in every worker.
+schedule rows, the same `StageServer` in every worker. A device holding several stages (interleaved
+1F1B, ZB-V) is one actor per stage here, its stages ordered by their data alone, not by the device's
+row as the process backend's hosts (`host`) run them.
 
 Faults: an actor whose process or node dies fails its pending call with Ray's `RayActorError`; `health`
 turns that into one line naming the stage (the executor adds it) and the host, and `close` kills every

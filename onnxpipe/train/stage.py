@@ -79,6 +79,9 @@ class StageSpec:
     file: str = ""
     #: Where its sessions run (`providers`): the CPU, or a CUDA device for a stage on a gpu.
     device: ExecutionDevice = CPU
+    #: A device holding several stages (interleaved 1F1B, ZB-V): its lowered training row for this replica, every
+    #: stage's actions in the device's order, run by one worker process (`host`). Empty: the stage is alone on its device.
+    device_row: tuple[Action, ...] = ()
 
     @property
     def worker(self) -> int:
@@ -259,7 +262,7 @@ class StageProgram:
 
     def ready(self, action: Action) -> bool:
         if action.op == "STEP":
-            self._send_shared()
+            self.send_shared()
         return all(self.transport.ready(k, i) for k, i in self.needs(action))
 
     def begin(self, training: bool) -> tuple[Action, ...]:
@@ -317,7 +320,7 @@ class StageProgram:
             for t, src in w.send_b:
                 self.transport.send(layout.owner(src, i), grad_key(t, me), i, out[t])
         elif action.op == "STEP":
-            grads = self._send_shared()
+            grads = self.send_shared()
             mine = r.spec.worker
             for p, holders in self._holders.items():
                 # Every holder adds the same parts in the same (worker) order: the copies stay bit-identical.
@@ -329,7 +332,7 @@ class StageProgram:
             self._sent = None
             r.step(grads)
 
-    def _send_shared(self) -> dict[str, np.ndarray]:
+    def send_shared(self) -> dict[str, np.ndarray]:
         """Send this worker's mean gradients of held-in-common weights to the other holders (once per
         step); returns all its mean gradients."""
         if self._sent is None:

@@ -1,5 +1,6 @@
-"""The body of one worker process (a stage, or one replica of it): receive its spec, build the stage,
-then serve the driver's commands (`messages`) with a `StageServer`.
+"""The body of one worker process (a stage, one replica of it, or a device's stages: `host`): receive its
+specs, build the stages, then serve the driver's commands (`messages`, each addressed to one of its
+workers) with a `Host` of `StageServer`s.
 
 It starts with SIGINT ignored (set by the driver before the spawn and inherited through exec, so even
 a Ctrl-C during its imports cannot print a traceback): the driver owns Ctrl-C and stops the workers.
@@ -16,7 +17,8 @@ import time
 import traceback
 from typing import Any
 
-from onnxpipe.train.messages import Failed, Ready, Stop
+from onnxpipe.train.host import Host
+from onnxpipe.train.messages import Failed, Infer, Ready, Stop, Train
 from onnxpipe.train.stage import StageServer, StageSpec
 from onnxpipe.train.transport import PeerGone, ShmTransport
 
@@ -75,35 +77,53 @@ def keep_freed_memory() -> None:
         pass
 
 
-def worker_main(worker: int, commands: Any, replies: Any, inboxes: Any, prefix: str, current: Any) -> None:
-    """Serve until `Stop`, the driver's end of `commands` closing, or a failure (reported as `Failed`)."""
+def worker_main(commands: Any, replies: Any, inboxes: Any, prefix: str, current: Any) -> None:
+    """Serve until `Stop`, the driver's end of `commands` closing, or a failure (reported as `Failed`).
+    A Train or Infer runs once every hosted worker got it (the driver sends it to all), in the host's order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     keep_freed_memory()
     parent = os.getppid()
-    base = worker * SLOTS
     try:
-        spec: StageSpec = commands.recv()
-    except (EOFError, OSError):  # the driver is gone before it sent the spec
+        specs: tuple[StageSpec, ...] = commands.recv()
+    except (EOFError, OSError):  # the driver is gone before it sent the specs
         return
-    transport = ShmTransport(prefix, inboxes, worker, alive=lambda: os.getppid() == parent)
+    transports = [ShmTransport(prefix, inboxes, s.worker, alive=lambda: os.getppid() == parent) for s in specs]
+    worker = specs[0].worker  # the worker whose action (or setup) runs: a failure is reported as its own
     try:
-        current[base] = OPS.index("setup")
-        server = StageServer(spec, transport, rss=peak_rss_bytes)
-        current[base] = 0
-        replies.send(Ready(worker))
-        while not isinstance(command := commands.recv(), Stop):
-            for action in server.row(command):
+        servers = []
+        for spec, transport in zip(specs, transports):
+            worker = spec.worker
+            current[worker * SLOTS] = OPS.index("setup")
+            servers.append(StageServer(spec, transport, rss=peak_rss_bytes))
+            current[worker * SLOTS] = 0
+        host = Host(servers)
+        for w in host.workers:
+            replies.send(Ready(w))
+        waiting: set[int] = set()
+        while not isinstance(item := commands.recv(), Stop):
+            to, command = item
+            if not isinstance(command, (Train, Infer)):
+                replies.send(host.server(to).reply(command))
+                continue
+            waiting.add(to)
+            if len(waiting) < len(host.workers):
+                continue
+            waiting.clear()
+            for server, action in host.row(command):
+                worker = server.runner.spec.worker
+                base = worker * SLOTS
                 current[base], current[base + 1] = OPS.index(action.op), action.microbatch
-                server.program.perform(action)
+                host.perform(server, action)
+                current[base] = 0
                 current[base + 2] += 1
-            current[base] = 0
-            replies.send(server.reply(command))
+            for w in host.workers:
+                replies.send(host.server(w).reply(command))
     except (SystemExit, EOFError, BrokenPipeError):  # the driver is gone: nobody to tell
         pass
     except BaseException as exc:  # report anything, then exit: the driver turns it into one line
         failed_at = time.monotonic()
-        op, mb = current[base], current[base + 1]
+        op, mb = current[worker * SLOTS], current[worker * SLOTS + 1]
         message = str(exc).strip()
         detail = f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
         try:
@@ -112,4 +132,5 @@ def worker_main(worker: int, commands: Any, replies: Any, inboxes: Any, prefix: 
         except OSError:
             pass
     finally:
-        transport.close()
+        for transport in transports:
+            transport.close()
