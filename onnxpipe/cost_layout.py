@@ -19,6 +19,7 @@ import statistics
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx
@@ -28,6 +29,8 @@ from onnxpipe.graph import Graph
 
 __all__ = ["NCHWC", "ReorderRates", "probe_shape", "probe_model", "reorder_rates"]
 
+#: A float, or a numpy array of them.
+Num = TypeVar("Num", float, np.ndarray)
 #: `NodeCost.layout` of a node an optimized CPU session computed in the blocked layout.
 NCHWC = "nchwc"
 _INPUT, _OUTPUT = "ReorderInput", "ReorderOutput"
@@ -42,8 +45,8 @@ class ReorderRates:
     #: NCHWc -> NCHW (ReorderOutput: the sending stage, for each cut tensor a blocked node made).
     out_of_blocks: float
 
-    def seconds(self, nbytes: float, *, sent: bool) -> float:
-        """Seconds to reorder `nbytes` on the sending (`sent`) or the receiving end of a cut."""
+    def seconds(self, nbytes: Num, *, sent: bool) -> Num:
+        """Seconds to reorder `nbytes` (a float, or an array of them) on the sending (`sent`) or the receiving end of a cut."""
         return nbytes / (self.out_of_blocks if sent else self.into_blocks)
 
 

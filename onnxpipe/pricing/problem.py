@@ -19,9 +19,9 @@ from onnxpipe.cost import Costs, NodeCost, weight_owners
 from onnxpipe.cost_layout import NCHWC
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
-from onnxpipe.quantized import dequantized_source
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
-from onnxpipe.target import Target
+from onnxpipe.quantized import dequantized_source
+from onnxpipe.target import Device, Target
 from onnxpipe.units import plural
 
 __all__ = ["OPTIMIZER_STATES", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
@@ -243,7 +243,7 @@ def build_problem(
             bandwidth[a, b], latency[a, b] = link.bandwidth, link.latency
     firsts = [target.device(members[g][0]) for g in groups]
     sent, received = _reorders(costs, firsts, nodes, producer, nbytes, consumers, mode)
-    received += _dequantized_readers(graph, costs, firsts, nodes, names, producer, consumers, forward, scale, dtype, mode)
+    received += _dequantized_readers(graph, costs, firsts, nodes, names, producer, consumers, forward, scale, dtype)
     return Problem(
         graph=graph,
         costs=costs,
@@ -301,7 +301,7 @@ def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, 
         raise OnnxpipeError(f"{graph.source}: the model has no compute nodes (everything is constant); nothing to plan")
 
 
-def _reorders(costs: Costs, devices: list, nodes: tuple[str, ...], producer: np.ndarray, nbytes: np.ndarray, consumers: tuple[np.ndarray, ...],
+def _reorders(costs: Costs, devices: list[Device], nodes: tuple[str, ...], producer: np.ndarray, nbytes: np.ndarray, consumers: tuple[np.ndarray, ...],
               mode: str) -> tuple[np.ndarray, np.ndarray]:
     """(groups, tensors) reordering seconds of a sent and of a received tensor (`Problem.crossing_sent`,
     `crossing_received`); `devices`: each group's first device."""
@@ -319,9 +319,10 @@ def _reorders(costs: Costs, devices: list, nodes: tuple[str, ...], producer: np.
     return sent, received
 
 
-def _dequantized_readers(graph: Graph, costs: Costs, devices: list, nodes: tuple[str, ...], names: tuple[str, ...], producer: np.ndarray,
-                         consumers: tuple[np.ndarray, ...], forward: np.ndarray, scale: float, dtype: str, mode: str) -> np.ndarray:
-    """(groups, tensors) seconds the int8 readers of a received dequantized tensor take more as float kernels."""
+def _dequantized_readers(graph: Graph, costs: Costs, devices: list[Device], nodes: tuple[str, ...], names: tuple[str, ...], producer: np.ndarray,
+                         consumers: tuple[np.ndarray, ...], forward: np.ndarray, scale: float, dtype: str) -> np.ndarray:
+    """(groups, tensors) seconds the int8 readers of a received dequantized tensor take more as float kernels (`forward`:
+    the problem's node times; `devices`: each group's first device)."""
     extra = np.zeros((len(devices), len(names)))
     for t, name in enumerate(names):
         if producer[t] < 0 or dequantized_source(graph, name) is None:
