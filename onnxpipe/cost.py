@@ -565,6 +565,7 @@ def write_summary(costs: Costs, path: str | os.PathLike) -> None:
         "op_types": [asdict(r) for r in rows],
         "unknown_ops": list(costs.unknown_ops),
         "profiled": costs.profiled,
+        "reorder": asdict(costs.reorder) if costs.reorder else None,
         "nodes": {name: asdict(c) for name, c in costs.nodes.items()},
     }
     path = Path(path)

@@ -546,7 +546,7 @@ def test_the_reorder_probe_measures_both_reorders_here(tmp_path):
 def test_the_layout_and_the_reorder_rates_round_trip_through_an_annotated_model(tmp_path):
     from dataclasses import replace
 
-    from onnxpipe.cost import with_measurements
+    from onnxpipe.cost import with_measurements, write_summary
     from onnxpipe.cost_layout import ReorderRates
 
     graph = load(_conv_relu_softmax())
@@ -558,3 +558,6 @@ def test_the_layout_and_the_reorder_rates_round_trip_through_an_annotated_model(
     assert read_annotated(load(tmp_path / "a.onnx")) == measured
     write_annotated(graph, replace(measured, reorder=None), tmp_path / "b.onnx")
     assert read_annotated(load(tmp_path / "b.onnx")).reorder is None
+    write_summary(measured, tmp_path / "costs.json")
+    data = json.loads((tmp_path / "costs.json").read_text())
+    assert data["reorder"] == {"into_blocks": 1.25e10, "out_of_blocks": 5.5e9} and data["nodes"]["relu"]["layout"] == "nchwc"
