@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from onnxpipe.errors import OnnxpipeError  # noqa: E402
 from onnxpipe.train.fit import data_source, fit  # noqa: E402
 from onnxpipe.train.pipeline import Pipeline  # noqa: E402
 from onnxpipe.train.prepare import TrainConfig  # noqa: E402
+from onnxpipe.train.ray_backend import link_messages  # noqa: E402
+from onnxpipe.train.transport import LocalTransport  # noqa: E402
 from procs import as_in_a_terminal  # noqa: E402
 from test_train import SGD, M, _alive, _global_batches, stage_dir  # noqa: E402
 
@@ -94,7 +97,7 @@ def test_stages_land_on_the_nodes_the_target_names(cluster: object, tmp_path: Pa
 
 
 @pytest.mark.parametrize(("name", "k", "replicas", "schedule"), [
-    ("resnet-tiny", 2, None, "gpipe"), ("mlp", 2, (1, 2), "gpipe"), ("mlp", 2, (1, 2), "1f1b")])
+    ("resnet-tiny", 2, None, "gpipe"), ("gpt2-tiny", 2, None, "1f1b"), ("mlp", 2, (1, 2), "gpipe"), ("mlp", 2, (1, 2), "1f1b")])
 def test_ray_trains_bit_for_bit_as_the_local_backend(cluster: object, name: str, k: int, replicas: tuple[int, ...] | None,
                                                       schedule: str) -> None:
     directory, manifest = stage_dir(name, k, replicas=replicas)
@@ -112,6 +115,31 @@ def test_ray_trains_bit_for_bit_as_the_local_backend(cluster: object, name: str,
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pids)
+
+
+@pytest.mark.parametrize(("name", "replicas"), [("gpt2-tiny", None), ("mlp", (1, 2))])
+def test_each_channel_has_a_buffer_per_message_a_command_sends(name: str, replicas: tuple[int, ...] | None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receivers hold what they read in place until their row ends, so a link needs a buffer for every
+    message of a command: the count the Ray backend sizes them by is what one step really sends (the
+    driver's link: the command and the model inputs; tied weights' and replicas' gradient sums included)."""
+    directory, manifest = stage_dir(name, 2, replicas=replicas)
+    batch = _global_batches(name, manifest, TrainConfig(microbatches=M, optimizer=SGD))[0]
+    sent: Counter[tuple[int, int]] = Counter()
+    send = LocalTransport.send
+
+    def counted(self: LocalTransport, dst: int, key: str, microbatch: int, array: np.ndarray) -> None:
+        sent[self.me, dst] += 1
+        send(self, dst, key, microbatch, array)
+
+    monkeypatch.setattr(LocalTransport, "send", counted)
+    with Pipeline(directory, microbatches=M, optimizer=SGD, processes=False) as pipe:
+        pipe.train_step(batch)
+        specs = pipe.engine.specs  # type: ignore[union-attr]
+    sent.update({(-1, s.worker): 1 for s in specs})
+    assert +link_messages(specs) == sent
+    if name == "gpt2-tiny":  # its tied embedding's gradients cross between the stages at STEP
+        assert any(s.shared() for s in specs)
 
 
 def test_killed_actor_fails_within_10s_and_resume_continues(cluster: object, tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ class TransportPeer:
         return ray.get_runtime_context().get_node_id()
 
     def open(self, reader, node: str):
-        self.out = open_channel(ray.get_runtime_context().current_actor, reader, node)
+        self.out = open_channel(ray.get_runtime_context().current_actor, reader, node, buffers=4)
         return self.out
 
     def start(self, incoming) -> None:

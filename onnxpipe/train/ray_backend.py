@@ -1,17 +1,19 @@
 """The Ray backend: every stage replica is a Ray actor (`StageActor`) placed by one placement group as
 the plan says (`ray_placement`), tensors move through Ray's shared-memory channels (`ray_transport`),
-and the driver's commands (`messages`) are actor calls whose return values are the workers' replies.
-The executor core (`executor.Executor`) drives it exactly as it drives the local backends: the same
-schedule rows, the same `StageServer` in every worker. A device holding several stages (interleaved
-1F1B, ZB-V) is one actor per stage here, its stages ordered by their data alone, not by the device's
-row as the process backend's hosts (`host`) run them.
+and so do the driver's commands (`messages`) and the workers' replies: once started, each actor runs
+one long call (`StageActor.serve`) that answers the commands posted on the driver's channel, on a
+channel of its own to the driver (whose reader end a small actor on the driver's node stands for:
+`DriverEnd`). The executor core (`executor.Executor`) drives it exactly as it drives the local
+backends: the same schedule rows, the same `StageServer` in every worker. A device holding several stages (interleaved 1F1B, ZB-V) is one actor
+per stage here, its stages ordered by their data alone, not by the device's row as the process
+backend's hosts (`host`) run them.
 
-Faults: an actor whose process or node dies fails its pending call with Ray's `RayActorError`; `health`
+Faults: an actor whose process or node dies fails its `serve` call with Ray's `RayActorError`; `health`
 turns that into one line naming the stage (the executor adds it) and the host, and `close` kills every
 actor and removes the placement group, so nothing is left behind on the cluster.
 
-Reading order: `RaySession` -> `StageActor` -> `RayBackend` (start, command, replies, health, progress,
-where, close) -> `RayPipeline`.
+Reading order: `RaySession` -> `StageActor` -> `DriverEnd` -> `RayBackend` (start, command, replies,
+health, progress, where, close) -> `RayPipeline`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import os
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,18 +31,18 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray reports nothing any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.train.executor import Executor, Failure
-from onnxpipe.train.messages import Command, Failed, Ready, Reply
+from onnxpipe.train.messages import Command, Failed, Ready, Reply, Stop
 from onnxpipe.train.providers import ExecutionDevice, cuda_device_id, ensure_usable
 from onnxpipe.train.ray_placement import Placement, ensure_fits, local_resources
 from onnxpipe.train.ray_transport import ChannelTransport, open_channel
 from onnxpipe.train.stage import StageServer, StageSpec
 from onnxpipe.train.worker import keep_freed_memory, peak_rss_bytes
 
-__all__ = ["RaySession", "StageActor", "RayBackend", "RayPipeline"]
+__all__ = ["RaySession", "StageActor", "RayBackend", "RayPipeline", "link_messages"]
 
 #: Seconds the placement group may take to be placed before the run fails.
 PLACE_SECONDS = 60.0
@@ -48,6 +51,8 @@ PLACE_SECONDS = 60.0
 _STATUS_EVERY = 0.25
 #: Seconds `close` gives the actors to close their channels before they are killed (and twice that to end).
 _STOP_WAIT = 2.0
+#: Buffers of a worker's reply channel to the driver (a reply is copied out as soon as it arrives).
+_REPLY_BUFFERS = 2
 
 
 class RaySession:
@@ -84,8 +89,8 @@ class RaySession:
 @ray.remote(max_concurrency=2, concurrency_groups={"status": 1}, max_restarts=0, max_task_retries=0)
 class StageActor:
     """One worker: its channels, its `StageServer`, and where it is in its row (answered on a thread of its
-    own while the row runs). The driver sends it one command at a time; the second slot of its default
-    group serves Ray's own calls while a command runs: a channel to a reader on another node makes (and,
+    own while the row runs). Once started it serves the driver's commands (`serve`); the second slot of
+    its default group serves Ray's own calls meanwhile: a channel to a reader on another node makes (and,
     for a larger message, remakes) its buffer there through the reader actor."""
 
     def __init__(self, worker: int) -> None:
@@ -101,10 +106,10 @@ class StageActor:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
-    def open_channels(self, readers: dict[int, tuple[Any, str]]) -> dict[int, Any]:
-        """Create the channels this worker writes, one per reader worker: (actor, node id)."""
+    def open_channels(self, readers: dict[int, tuple[Any, str, int]]) -> dict[int, Any]:
+        """Create the channels this worker writes, one per reader worker (-1: the driver): (actor, node id, buffers)."""
         me = ray.get_runtime_context().current_actor
-        self._outgoing = {dst: open_channel(me, actor, node) for dst, (actor, node) in readers.items()}
+        self._outgoing = {dst: open_channel(me, actor, node, buffers) for dst, (actor, node, buffers) in readers.items()}
         return self._outgoing
 
     def start(self, spec: StageSpec, incoming: list[Any], device: ExecutionDevice) -> Reply:
@@ -120,7 +125,21 @@ class StageActor:
         except BaseException as exc:
             return self._failed(exc)
 
-    def handle(self, command: Command) -> Reply:
+    def serve(self) -> None:
+        """Answer the commands the driver posts, one at a time, until `Stop` (or the driver's end closes)."""
+        assert self.transport is not None
+        try:
+            while True:
+                for command in self.transport.messages(None):
+                    if isinstance(command, Stop):
+                        return
+                    self.transport.post(-1, self._handle(command))
+        except EOFError:  # closed under it
+            return
+        finally:
+            self.transport.close()
+
+    def _handle(self, command: Command) -> Reply:
         """Run the command's row, then answer it (a failure answers `Failed`)."""
         assert self.server is not None
         done = self._status[2]
@@ -139,15 +158,17 @@ class StageActor:
         """(op, micro-batch, actions done so far)."""
         return self._status
 
-    def stop(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
     def _failed(self, exc: BaseException) -> Failed:
         op, mb, _ = self._status
         message = str(exc).strip()
         return Failed(self.worker, op, mb, f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}",
                       traceback.format_exc(), time.monotonic(), False)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class DriverEnd:
+    """Stands for the driver as the reader of the workers' reply channels: Ray makes a channel's buffer on
+    its reader's node through an actor there (the driver itself takes no calls). It does nothing else."""
 
 
 class RayBackend:
@@ -158,7 +179,10 @@ class RayBackend:
         self._closed = False
         self.actors: list[Any] = []
         self._pending: dict[Any, int] = {}
+        #: Each started actor's `serve` call, by reference: it ends only when the actor stops or dies.
+        self._serving: dict[Any, int] = {}
         self._dead: dict[int, Failure] = {}
+        self.end = None
         self._status: list[tuple[str, int, int]] = [("setup", -1, 0) for _ in specs]
         self._polls: dict[Any, int] = {}
         self._polled = 0.0
@@ -186,13 +210,16 @@ class RayBackend:
             self.actors.append(StageActor.options(  # type: ignore[attr-defined]
                 num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,
                 scheduling_strategy=strategy, name=None).remote(w))
+        here = ray.get_runtime_context().get_node_id()
+        self.end = DriverEnd.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()  # type: ignore[attr-defined]
         #: Per worker: (Ray node id, node address, actor process id).
         self.nodes: list[tuple[str, str, int]] = ray.get([a.node.remote() for a in self.actors])
         k = len(self.actors)
-        outgoing = ray.get([a.open_channels.remote({d: (self.actors[d], self.nodes[d][0]) for d in range(k) if d != w})
-                            for w, a in enumerate(self.actors)])
-        from_driver = {w: open_channel(None, a, self.nodes[w][0]) for w, a in enumerate(self.actors)}
-        self.driver = ChannelTransport(-1, from_driver, background=True)
+        held = link_messages(specs)
+        outgoing = ray.get([a.open_channels.remote({d: (self.actors[d], self.nodes[d][0], held[w, d]) for d in range(k) if d != w}
+                                                   | {-1: (self.end, here, _REPLY_BUFFERS)}) for w, a in enumerate(self.actors)])
+        from_driver = {w: open_channel(None, a, self.nodes[w][0], held[-1, w]) for w, a in enumerate(self.actors)}
+        self.driver = ChannelTransport(-1, from_driver, [outgoing[w][-1] for w in range(k)], background=True)
         for w, actor in enumerate(self.actors):
             incoming = [outgoing[s][w] for s in range(k) if s != w] + [from_driver[w]]
             self._pending[actor.start.remote(specs[w], incoming, placement.devices[w])] = w
@@ -202,13 +229,16 @@ class RayBackend:
         return [n[2] for n in self.nodes]
 
     def command(self, worker: int, command: Command) -> None:
-        self._pending[self.actors[worker].handle.remote(command)] = worker
+        assert self.driver is not None
+        self.driver.post(worker, command)
 
     def replies(self, timeout: float) -> list[Reply]:
+        """Start-up: the `start` calls' answers (each actor that is ready starts serving); then what the
+        workers post to the driver."""
         refs = list(self._pending)
         if not refs:
-            time.sleep(timeout)
-            return []
+            assert self.driver is not None
+            return self.driver.messages(timeout)
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
         if not ready:
             return []
@@ -220,6 +250,7 @@ class RayBackend:
                 reply = ray.get(ref)
                 if isinstance(reply, Ready):
                     self._status[w] = ("idle", -1, 0)
+                    self._serving[self.actors[w].serve.remote()] = w
                 out.append(reply)
             except RayActorError as exc:
                 self._dead.setdefault(w, Failure(w, None, self._died(w, exc), time.monotonic()))
@@ -231,6 +262,19 @@ class RayBackend:
         return f"its Ray actor (process {pid} on host {address}) died: {reason[:200]}"
 
     def health(self) -> list[Failure]:
+        """Workers whose process died (their `serve` call failed) or that stopped serving."""
+        if self._serving:
+            ended, _ = ray.wait(list(self._serving), num_returns=len(self._serving), timeout=0)
+            for ref in ended:
+                w = self._serving.pop(ref)
+                try:
+                    ray.get(ref)
+                    why = "its Ray actor stopped serving the driver's commands"
+                except RayActorError as exc:
+                    why = self._died(w, exc)
+                except Exception as exc:  # serve itself failed: its channels broke
+                    why = f"its Ray actor (on host {self.nodes[w][1]}) failed: {str(exc).strip().splitlines()[-1][:200]}"
+                self._dead.setdefault(w, Failure(w, None, why, time.monotonic()))
         return list(self._dead.values())
 
     def progress(self) -> int:
@@ -255,21 +299,35 @@ class RayBackend:
         if self._closed:
             return
         self._closed = True
-        if not force and self.actors:
-            try:
-                ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_WAIT)
-            except Exception:  # a dead or stuck actor: killed below
-                pass
+        if not force and self._serving and self.driver is not None:
+            for w in self._serving.values():
+                self.driver.post(w, Stop())
+            ray.wait(list(self._serving), num_returns=len(self._serving), timeout=_STOP_WAIT)  # a dead or stuck actor: killed below
         if self.driver is not None:
             self.driver.close()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        if self.end is not None:
+            ray.kill(self.end, no_restart=True)
         if self.actors:  # a call to a killed actor fails once Ray saw its process end: wait for that
             ray.wait([a.status.remote() for a in self.actors], num_returns=len(self.actors), timeout=_STOP_WAIT * 2)
             _end_local_leftovers(getattr(self, "nodes", []))
         if self.group is not None:
             remove_placement_group(self.group)
         self.session.close()
+
+
+def link_messages(specs: Sequence[StageSpec]) -> Counter[tuple[int, int]]:
+    """Per (sender, receiver) worker pair (sender -1: the driver: the command and its model inputs), the
+    most messages one command sends on it (training or forward-only row): what its receiver may hold at once."""
+    most: Counter[tuple[int, int]] = Counter()
+    for spec in specs:
+        most[-1, spec.worker] = 1 + len(spec.inputs(spec.microbatches))
+        for row in (spec.actions, spec.forward_actions):
+            sent = Counter(dst for action in row for dst, _, _ in spec.sends(action))
+            for dst, n in sent.items():
+                most[spec.worker, dst] = max(most[spec.worker, dst], n)
+    return most
 
 
 def _end_local_leftovers(nodes: Sequence[tuple[str, str, int]]) -> None:

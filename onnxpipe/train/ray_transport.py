@@ -1,13 +1,19 @@
 """Tensors between Ray actors (and from the driver) through Ray's shared-memory channels
 (`ray.experimental.channel.Channel`, what Ray's compiled graphs are built on): one channel per
-(sender, receiver) pair, written only by the sender, read by one thread of the receiver that copies each
-message into the receiver's inbox. Within a host a hop is a copy through shared memory; between hosts
-Ray pushes the buffer to the reader's node.
+(sender, receiver) pair, written only by the sender, read by one thread of the receiver that puts each
+message into the receiver's inbox. Within a host a hop is one copy, into shared memory, and the receiver
+reads the tensor in place; between hosts Ray pushes the buffer to the reader's node and the reader copies
+it out (that channel has a single buffer, which the next message needs).
+
+Why in place within a host: Ray releases a channel buffer for its writer's next message only once the
+reader dropped every view of the value it read, so a view stays valid for as long as the stage keeps it
+(stashed for its backward, say), and the writer of a buffer still viewed waits. A channel within a node
+therefore gets one buffer per message a command sends on it (`open_channel`'s `buffers`): a stage holds
+at most that many (its row consumes them all before it answers), so no sender ever waits on a view.
+Copying each message out instead cost the receiver about 1.2 ms per 3.5 MB message on this machine.
 
 Why channels (tools/measure_ray.py, docs/benchmarks.md): a 256 KiB hop took 0.26 ms through a channel
-against 2.4 ms through the object store (a reference or a method argument). A channel holds one message
-(`CHANNEL_BUFFERS` within a node): the writer waits until the reader took the one written before, which its
-reader thread does as soon as it wakes, so a sender never waits on the receiver's schedule. Messages carry their (key, micro-batch), so the order
+against 2.4 ms through the object store (a reference or a method argument). Messages carry their (key, micro-batch), so the order
 in which a pair's messages arrive does not matter: replicas, tied weights' gradient sums and skip
 connections (one tensor to several stages) are messages like any other.
 
@@ -17,15 +23,22 @@ on 2 cores resnet-tiny's step took 2x the local backend's while the idle actors 
 each. Where writer and reader share a node, the writer first posts a byte on a FIFO there and then writes
 the channel; the reader sleeps in the kernel on the FIFO and reads the channel only once a message is
 coming (it spins at most while the writer copies it in). Between nodes the reader reads as before.
-A channel within a node holds `CHANNEL_BUFFERS` messages: with one, a writer's second message waited for the
-reader thread to wake and take the first (about 1 ms a send on 2 busy cores: resnet-tiny's 4 back-to-back
-sends of a step).
+With a single buffer, a writer's second message waited for the reader thread to wake and take the first
+(about 1 ms a send on 2 busy cores: resnet-tiny's 4 back-to-back sends of a step); with a buffer per
+message of a command no send waits.
 
-Reading order: `Link` -> `open_channel` -> `_Wake` -> `_Writer` -> `ChannelTransport` (send, recv, ready, close) -> `_Reader`.
+Messages that are not tensors (the driver's commands, the workers' replies) travel on the same channels
+(`post`, `messages`): a command reaches a waiting worker as one channel write and a wake-up, where an
+actor method call cost the driver and the actor 1.5-3 ms of Ray's own work a step. They arrive as
+copies of their own (the driver keeps what replies carry: weights, outputs).
+
+Reading order: `Link` -> `open_channel` -> `_Wake` -> `_Writer` -> `ChannelTransport` (send, recv, ready,
+post, messages, close) -> `_Reader`.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import queue
 import tempfile
@@ -46,9 +59,6 @@ __all__ = ["ChannelTransport", "Link", "open_channel", "CHANNEL_BYTES"]
 
 #: First buffer size of a channel; Ray grows it when a larger message is written.
 CHANNEL_BYTES = 1 << 20
-#: Buffers of a channel within a node (Ray buffers channels within a node only): a writer waits only when
-#: the reader has not yet read the message written this many messages before.
-CHANNEL_BUFFERS = 4
 
 
 #: Wake-up bytes: a message follows on the channel; the transport closes.
@@ -67,12 +77,13 @@ class Link:
     wake: str | None
 
 
-def open_channel(writer: Any, reader: Any, reader_node: str) -> Link:
+def open_channel(writer: Any, reader: Any, reader_node: str, buffers: int = 1) -> Link:
     """A channel that `writer` (an actor handle, or None for the driver) writes, read by the actor
-    `reader` on node `reader_node`. Must be called in the writer's process."""
+    `reader` on node `reader_node`, with `buffers` buffers within a node (Ray buffers channels within a
+    node only): as many as the messages its reader may hold at once. Must be called in the writer's process."""
     if reader_node != ray.get_runtime_context().get_node_id():
         return Link(Channel(writer, [(reader, reader_node)], CHANNEL_BYTES), None)
-    channel = BufferedSharedMemoryChannel(writer, [(reader, reader_node)], CHANNEL_BUFFERS, CHANNEL_BYTES)
+    channel = BufferedSharedMemoryChannel(writer, [(reader, reader_node)], max(1, buffers), CHANNEL_BYTES)
     path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"onnxpipe-wake-{uuid.uuid4().hex}")
     os.mkfifo(path, 0o600)
     _WRITER_FDS[path] = os.open(path, os.O_RDWR)  # read-write: never blocks, and the FIFO lives until the reader opens it
@@ -123,9 +134,9 @@ def _writer_wake(link: Link) -> _Wake | None:
 
 
 class _Reader(threading.Thread):
-    """Reads one incoming channel until it closes, copying each tensor out of the channel's buffer
-    (the sender reuses it for its next message) into the inbox; with a wake-up FIFO it reads the channel
-    only when the writer said a message comes."""
+    """Reads one incoming channel until it closes, putting each tensor into the inbox: in place within
+    a node, copied out of a channel from another node (whose one buffer the next message needs); with a
+    wake-up FIFO (within a node) it reads the channel only when the writer said a message comes."""
 
     def __init__(self, link: Link, transport: ChannelTransport) -> None:
         super().__init__(name="onnxpipe-channel-reader", daemon=True)
@@ -140,10 +151,16 @@ class _Reader(threading.Thread):
                     key, microbatch, array = self.channel.read()
                 except RayChannelError:  # closed: the run is over, or its writer is gone
                     return
+                if key is None:
+                    self.transport._deliver(copy.deepcopy(array))
+                    continue
+                if self.wake is not None:
+                    self.transport._arrive(key, microbatch, array, 0.0, 0.0)
+                    continue
                 start, cpu = time.perf_counter(), time.thread_time()
-                copy = np.array(array, copy=True)
+                owned = np.array(array, copy=True)
                 del array
-                self.transport._arrive(key, microbatch, copy, time.perf_counter() - start, time.thread_time() - cpu)
+                self.transport._arrive(key, microbatch, owned, time.perf_counter() - start, time.thread_time() - cpu)
         finally:
             if self.wake is not None:
                 self.wake.close()
@@ -161,7 +178,7 @@ class _Writer(threading.Thread):
         super().__init__(name="onnxpipe-channel-writer", daemon=True)
         self.link = link
         self.wake = wake
-        self.outbox: queue.SimpleQueue[tuple[str, int, np.ndarray] | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[tuple[str | None, int, Any] | None] = queue.SimpleQueue()
 
     def run(self) -> None:
         while (message := self.outbox.get()) is not None:
@@ -171,7 +188,7 @@ class _Writer(threading.Thread):
                 return
 
 
-def _write(channel: Any, wake: _Wake | None, message: tuple[str, int, np.ndarray]) -> None:
+def _write(channel: Any, wake: _Wake | None, message: tuple[str | None, int, Any]) -> None:
     """Wake the reader first: its read then releases the previous message, which this write waits for."""
     if wake is not None:
         wake.post(_MESSAGE)
@@ -193,6 +210,8 @@ class ChannelTransport:
         for writer in self._writers.values():
             writer.start()
         self._inbox: dict[tuple[str, int], np.ndarray] = {}
+        self._posted: list[Any] = []
+        self._closed = False
         self._arrived = threading.Condition()
         #: Seconds spent in send and recv: wall clock, and this thread's CPU time.
         self.copy_seconds = 0.0
@@ -203,11 +222,7 @@ class ChannelTransport:
 
     def send(self, dst: int, key: str, microbatch: int, array: np.ndarray) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
-        message = (key, microbatch, np.ascontiguousarray(array))
-        if self._writers:
-            self._writers[dst].outbox.put(message)
-        else:
-            _write(self.outgoing[dst].channel, self._wakes[dst], message)
+        self._put(dst, (key, microbatch, np.ascontiguousarray(array)))
         with self._arrived:
             self.copy_seconds += time.perf_counter() - start
             self.copy_cpu_seconds += time.thread_time() - cpu
@@ -221,6 +236,31 @@ class ChannelTransport:
         with self._arrived:
             return (key, microbatch) in self._inbox
 
+    def post(self, dst: int, message: Any) -> None:
+        """Send `dst` a message that is not a tensor (a command, a reply); it takes them with `messages`, in order."""
+        self._put(dst, (None, -1, message))
+
+    def messages(self, timeout: float | None) -> list[Any]:
+        """The posted messages that arrived, in order, waiting up to `timeout` seconds (None: for ever)
+        for the first; EOFError once this end is closed."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._posted or self._closed, timeout)
+            if self._closed and not self._posted:
+                raise EOFError("the transport is closed")
+            out, self._posted = self._posted, []
+            return out
+
+    def _put(self, dst: int, message: tuple[str | None, int, Any]) -> None:
+        if self._writers:
+            self._writers[dst].outbox.put(message)
+        else:
+            _write(self.outgoing[dst].channel, self._wakes[dst], message)
+
+    def _deliver(self, message: Any) -> None:
+        with self._arrived:
+            self._posted.append(message)
+            self._arrived.notify_all()
+
     def _arrive(self, key: str, microbatch: int, array: np.ndarray, seconds: float, cpu_seconds: float) -> None:
         """A reader thread's delivery, with what its copy cost (counted as the receiver's transport time)."""
         with self._arrived:
@@ -231,6 +271,9 @@ class ChannelTransport:
 
     def close(self) -> None:
         """Close every channel of this end: its reader threads and those of the workers it writes to end."""
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify_all()
         for link in (*self.outgoing.values(), *self.incoming):
             try:
                 link.channel.close()

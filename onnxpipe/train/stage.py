@@ -93,6 +93,28 @@ class StageSpec:
         tied = dict(self.wiring.shared).get(param, ())
         return tuple(w for s in sorted({self.index, *tied}) for w in self.layout.workers(s))
 
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Trained weights whose gradient is summed with other workers' copies, and all their holders."""
+        return {p: h for p in self.graphs.trained if len(h := self.holders(p)) > 1}
+
+    def sends(self, action: Action) -> tuple[tuple[int, str, str], ...]:
+        """The messages an action sends: (destination worker, transport key, tensor) each; STEP sends this
+        worker's mean gradient of every weight held in common to the other holders."""
+        w, i = self.wiring, action.microbatch
+        if action.op == "SEND_F":
+            return tuple((self.layout.owner(dst, i), t, t) for t, dsts in w.send_f for dst in dsts)
+        if action.op == "SEND_B":
+            return tuple((self.layout.owner(src, i), grad_key(t, self.index), t) for t, src in w.send_b)
+        if action.op == "STEP":
+            me = self.worker
+            return tuple((h, shared_key(p, me), p) for p, holders in self.shared().items() for h in holders if h != me)
+        return ()
+
+    def inputs(self, count: int) -> tuple[tuple[str, int], ...]:
+        """(model input, micro-batch) the driver posts to this worker over `count` micro-batches: those of
+        the micro-batches this replica owns."""
+        return tuple((name, i) for i in range(count) if self.layout.owner(self.index, i) == self.worker for name in self.wiring.model_inputs)
+
 
 def make_session(model: bytes, threads: int, device: ExecutionDevice = CPU):  # -> onnxruntime.InferenceSession
     provider, options = session_provider(device)
@@ -243,7 +265,7 @@ class StageProgram:
         self._sent: dict[str, np.ndarray] | None = None
         spec = runner.spec
         #: Trained weights whose gradient is summed with other workers' copies, and those workers.
-        self._holders = {p: h for p in spec.graphs.trained if len(h := spec.holders(p)) > 1}
+        self._holders = spec.shared()
 
     def needs(self, action: Action) -> list[tuple[str, int]]:
         """Transport keys an action waits for (so a cooperative runner can tell whether it would block)."""
@@ -289,7 +311,6 @@ class StageProgram:
 
     def _perform(self, action: Action) -> None:
         w, r, i = self.runner.spec.wiring, self.runner, action.microbatch
-        me, layout = r.spec.index, r.spec.layout
         if action.op == "RECV_F":
             self._inbox.setdefault(i, {}).update({t: self.transport.recv(t, i) for t, _ in w.recv_f})
         elif action.op == "F":
@@ -300,11 +321,10 @@ class StageProgram:
                 self.outputs[i] = {t: out[t] for t in w.model_outputs if t in out}
             if not w.send_f:
                 self._outbox.pop(i)
-        elif action.op == "SEND_F":
+        elif action.op in ("SEND_F", "SEND_B"):
             out = self._outbox.pop(i)
-            for t, dsts in w.send_f:
-                for dst in dsts:
-                    self.transport.send(layout.owner(dst, i), t, i, out[t])
+            for dst, key, t in r.spec.sends(action):
+                self.transport.send(dst, key, i, out[t])
         elif action.op == "RECV_B":
             got: dict[str, np.ndarray] = {}
             for t, srcs in w.recv_b:
@@ -315,10 +335,6 @@ class StageProgram:
             self._outbox[i] = r.backward(i, self._grads_in.pop(i, {}))
         elif action.op == "W":
             r.weight(i)
-        elif action.op == "SEND_B":
-            out = self._outbox.pop(i)
-            for t, src in w.send_b:
-                self.transport.send(layout.owner(src, i), grad_key(t, me), i, out[t])
         elif action.op == "STEP":
             grads = self.send_shared()
             mine = r.spec.worker
@@ -336,12 +352,10 @@ class StageProgram:
         """Send this worker's mean gradients of held-in-common weights to the other holders (once per
         step); returns all its mean gradients."""
         if self._sent is None:
-            mine = self.runner.spec.worker
+            spec = self.runner.spec
             self._sent = self.runner.mean_grads()
-            for p, holders in self._holders.items():
-                for h in holders:
-                    if h != mine:
-                        self.transport.send(h, shared_key(p, mine), -1, self._sent[p])
+            for dst, key, p in spec.sends(Action(spec.index, "STEP")):
+                self.transport.send(dst, key, -1, self._sent[p])
         return self._sent
 
 
@@ -386,7 +400,5 @@ class StageServer:
 def post_inputs(driver: Transport, specs: Sequence[StageSpec], microbatches: Sequence[Mapping[str, np.ndarray]]) -> None:
     """Send each micro-batch's model inputs to the replica of every stage that owns that micro-batch."""
     for spec in specs:
-        for i, mb in enumerate(microbatches):
-            if spec.layout.owner(spec.index, i) == spec.worker:
-                for name in spec.wiring.model_inputs:
-                    driver.send(spec.worker, name, i, mb[name])
+        for name, i in spec.inputs(len(microbatches)):
+            driver.send(spec.worker, name, i, microbatches[i][name])
