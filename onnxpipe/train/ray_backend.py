@@ -1,16 +1,19 @@
 """The Ray backend: every stage replica is a Ray actor (`StageActor`) placed by one placement group as
 the plan says (`ray_placement`), tensors move through Ray's shared-memory channels (`ray_transport`),
-and so do the driver's commands (`messages`) and the workers' replies: once started, each actor runs
-one long call (`StageActor.serve`) that answers the commands posted on the driver's channel, on a
-channel of its own to the driver (whose reader end a small actor on the driver's node stands for:
-`DriverEnd`). The executor core (`executor.Executor`) drives it exactly as it drives the local
-backends: the same schedule rows, the same `StageServer` in every worker. A device holding several stages (interleaved 1F1B, ZB-V) is one actor
-per stage here, its stages ordered by their data alone, not by the device's row as the process
-backend's hosts (`host`) run them.
+and, when every actor shares the driver's node, so do the driver's commands (`messages`) and the
+workers' replies: once started, each actor runs one long call (`StageActor.serve`) that answers the
+commands posted on the driver's channel, on a channel of its own to the driver (whose reader end a small
+actor on the driver's node stands for: `DriverEnd`); a command's actor call and its reply cost the
+driver and the actor 1.5-3 ms of Ray's own work a step. With an actor on another node each command is
+an actor call whose return value is the reply (a reader of a channel from another node spins in Ray's
+read: the driver would burn a core waiting for replies). The executor core (`executor.Executor`) drives
+it exactly as it drives the local backends: the same schedule rows, the same `StageServer` in every worker.
+A device holding several stages (interleaved 1F1B, ZB-V) is one actor per stage here, its stages
+ordered by their data alone, not by the device's row as the process backend's hosts (`host`) run them.
 
-Faults: an actor whose process or node dies fails its `serve` call with Ray's `RayActorError`; `health`
-turns that into one line naming the stage (the executor adds it) and the host, and `close` kills every
-actor and removes the placement group, so nothing is left behind on the cluster.
+Faults: an actor whose process or node dies fails its pending call (`serve`, or the command's) with
+Ray's `RayActorError`; `health` turns that into one line naming the stage (the executor adds it) and the
+host, and `close` kills every actor and removes the placement group, so nothing is left behind.
 
 Reading order: `RaySession` -> `StageActor` -> `DriverEnd` -> `RayBackend` (start, command, replies,
 health, progress, where, close) -> `RayPipeline`.
@@ -35,7 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.train.executor import Executor, Failure
-from onnxpipe.train.messages import Command, Failed, Ready, Reply, Stop
+from onnxpipe.train.messages import Command, Failed, Ready, Reply
 from onnxpipe.train.providers import ExecutionDevice, cuda_device_id, ensure_usable
 from onnxpipe.train.ray_placement import Placement, ensure_fits, local_resources
 from onnxpipe.train.ray_transport import ChannelTransport, open_channel
@@ -126,20 +129,16 @@ class StageActor:
             return self._failed(exc)
 
     def serve(self) -> None:
-        """Answer the commands the driver posts, one at a time, until `Stop` (or the driver's end closes)."""
+        """Answer the commands the driver posts, one at a time, until `stop` closes the transport."""
         assert self.transport is not None
         try:
             while True:
                 for command in self.transport.messages(None):
-                    if isinstance(command, Stop):
-                        return
-                    self.transport.post(-1, self._handle(command))
-        except EOFError:  # closed under it
+                    self.transport.post(-1, self.handle(command))
+        except EOFError:
             return
-        finally:
-            self.transport.close()
 
-    def _handle(self, command: Command) -> Reply:
+    def handle(self, command: Command) -> Reply:
         """Run the command's row, then answer it (a failure answers `Failed`)."""
         assert self.server is not None
         done = self._status[2]
@@ -157,6 +156,10 @@ class StageActor:
     def status(self) -> tuple[str, int, int]:
         """(op, micro-batch, actions done so far)."""
         return self._status
+
+    def stop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
     def _failed(self, exc: BaseException) -> Failed:
         op, mb, _ = self._status
@@ -182,7 +185,8 @@ class RayBackend:
         #: Each started actor's `serve` call, by reference: it ends only when the actor stops or dies.
         self._serving: dict[Any, int] = {}
         self._dead: dict[int, Failure] = {}
-        self.end = None
+        #: The driver's stand-in reader when commands travel on the channels (None: they are actor calls).
+        self.end: Any = None
         self._status: list[tuple[str, int, int]] = [("setup", -1, 0) for _ in specs]
         self._polls: dict[Any, int] = {}
         self._polled = 0.0
@@ -210,16 +214,19 @@ class RayBackend:
             self.actors.append(StageActor.options(  # type: ignore[attr-defined]
                 num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,
                 scheduling_strategy=strategy, name=None).remote(w))
-        here = ray.get_runtime_context().get_node_id()
-        self.end = DriverEnd.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()  # type: ignore[attr-defined]
         #: Per worker: (Ray node id, node address, actor process id).
         self.nodes: list[tuple[str, str, int]] = ray.get([a.node.remote() for a in self.actors])
+        here = ray.get_runtime_context().get_node_id()
+        to_driver = {}
+        if all(node == here for node, _, _ in self.nodes):
+            self.end = DriverEnd.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()  # type: ignore[attr-defined]
+            to_driver = {-1: (self.end, here, _REPLY_BUFFERS)}
         k = len(self.actors)
         held = link_messages(specs)
-        outgoing = ray.get([a.open_channels.remote({d: (self.actors[d], self.nodes[d][0], held[w, d]) for d in range(k) if d != w}
-                                                   | {-1: (self.end, here, _REPLY_BUFFERS)}) for w, a in enumerate(self.actors)])
+        outgoing = ray.get([a.open_channels.remote({d: (self.actors[d], self.nodes[d][0], held[w, d]) for d in range(k) if d != w} | to_driver)
+                            for w, a in enumerate(self.actors)])
         from_driver = {w: open_channel(None, a, self.nodes[w][0], held[-1, w]) for w, a in enumerate(self.actors)}
-        self.driver = ChannelTransport(-1, from_driver, [outgoing[w][-1] for w in range(k)], background=True)
+        self.driver = ChannelTransport(-1, from_driver, [outgoing[w][-1] for w in range(k) if -1 in outgoing[w]], background=True)
         for w, actor in enumerate(self.actors):
             incoming = [outgoing[s][w] for s in range(k) if s != w] + [from_driver[w]]
             self._pending[actor.start.remote(specs[w], incoming, placement.devices[w])] = w
@@ -229,16 +236,22 @@ class RayBackend:
         return [n[2] for n in self.nodes]
 
     def command(self, worker: int, command: Command) -> None:
-        assert self.driver is not None
-        self.driver.post(worker, command)
+        if self.end is not None:
+            assert self.driver is not None
+            self.driver.post(worker, command)
+        else:
+            self._pending[self.actors[worker].handle.remote(command)] = worker
 
     def replies(self, timeout: float) -> list[Reply]:
-        """Start-up: the `start` calls' answers (each actor that is ready starts serving); then what the
-        workers post to the driver."""
+        """The answers of pending calls (`start`, and commands sent as calls; an actor that is ready starts
+        serving when commands travel on the channels); once every actor serves, what they post to the driver."""
         refs = list(self._pending)
-        if not refs:
+        if not refs and self._serving:
             assert self.driver is not None
             return self.driver.messages(timeout)
+        if not refs:
+            time.sleep(timeout)
+            return []
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
         if not ready:
             return []
@@ -250,7 +263,8 @@ class RayBackend:
                 reply = ray.get(ref)
                 if isinstance(reply, Ready):
                     self._status[w] = ("idle", -1, 0)
-                    self._serving[self.actors[w].serve.remote()] = w
+                    if self.end is not None:
+                        self._serving[self.actors[w].serve.remote()] = w
                 out.append(reply)
             except RayActorError as exc:
                 self._dead.setdefault(w, Failure(w, None, self._died(w, exc), time.monotonic()))
@@ -299,10 +313,11 @@ class RayBackend:
         if self._closed:
             return
         self._closed = True
-        if not force and self._serving and self.driver is not None:
-            for w in self._serving.values():
-                self.driver.post(w, Stop())
-            ray.wait(list(self._serving), num_returns=len(self._serving), timeout=_STOP_WAIT)  # a dead or stuck actor: killed below
+        if not force and self.actors:
+            try:
+                ray.get([a.stop.remote() for a in self.actors], timeout=_STOP_WAIT)
+            except Exception:  # a dead or stuck actor: killed below
+                pass
         if self.driver is not None:
             self.driver.close()
         for actor in self.actors:
