@@ -613,6 +613,10 @@ def _print_plan_quality(plan: Any) -> None:
             f"over {plural(info.blocks, 'block')} (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
     console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, "
                   f"{info.solve_seconds:.2f} s", highlight=False)
+    least = info.least_bottleneck_seconds
+    if 0 < least < plan.bottleneck_seconds * (1 - 1e-9):
+        console.print(f"least bottleneck found: {least * ms:.3f} ms (gap {max(0.0, least - info.bound_seconds) / least:.2%}); this plan's is "
+                      f"{plan.bottleneck_seconds / least - 1:.2%} more, taken for its shorter predicted iteration", highlight=False)
     for note in plan.notes:
         console.print(f"note: {escape(note)}", highlight=False)
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 from test_plan import chain_model
+from test_properties import RandomModel, random_models
 
 from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.graph import load
@@ -190,3 +191,61 @@ def test_strictly_tighter_where_replicas_pay_the_all_reduce() -> None:
     assert any(s.allreduce_seconds > 0 for s in p.stages)
     assert max(bound.work_seconds, bound.node_seconds) * 1.03 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
     assert p.lower_bound_seconds == bound.seconds
+
+
+def test_strictly_tighter_where_a_node_cannot_be_split() -> None:
+    # Three nodes of 1, 2 and 1 units on two identical devices: the fractional bounds give each stage 2 units,
+    # but the middle node goes whole to one stage, so every plan has a stage of 3 units.
+    graph = load(chain_model(3, {}))
+    costs = mixed_costs(graph, [1e9, 2e9, 1e9])
+    problem = build_problem(graph, costs, one_group_target(2, 1e-6, 1e12), batch=graph.batch * 2, microbatches=2)
+    bound = lower_bound(problem, 2)
+    p = solve(problem, 2, time_limit=5)
+    assert max(bound.work_seconds, bound.node_seconds) * 1.4 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    assert bound.chain_seconds == pytest.approx(p.bottleneck_seconds, rel=0.01)
+
+
+def _proven_least(problem, stages: int) -> float | None:  # type: ignore[no-untyped-def]
+    """The least bottleneck of any plan when CP-SAT proves it node by node (nothing coarsened), else None."""
+    p = solve(problem, stages, time_limit=20, max_blocks=problem.n)
+    return p.bottleneck_seconds if p.solver.status == "OPTIMAL" and p.solver.blocks == problem.n else None
+
+
+@pytest.mark.parametrize("name", ["resnet-tiny", "inception-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_never_above_the_proven_optimum_on_the_zoo(name: str, mode: str) -> None:
+    graph = load(build(name))
+    costs = annotate(graph)
+    proven = 0
+    for target_name in ("hetero", "fpga4"):
+        for k in (2, 3, 4):
+            problem = build_problem(graph, costs, load_target(target_name), batch=graph.batch * 2 * k, microbatches=2 * k, mode=mode)
+            least = _proven_least(problem, k)
+            if least is not None:
+                proven += 1
+                assert lower_bound(problem, k).seconds <= least * (1 + 1e-9), f"{target_name} k={k}"
+    assert proven >= 4  # the check ran on most of them
+
+
+@settings(max_examples=12, deadline=None)
+@given(random_models())
+def test_never_above_the_proven_optimum_on_random_dags(case: RandomModel) -> None:
+    graph = load(case.model)
+    costs = annotate(graph)
+    for mode in ("training", "inference"):
+        problem = build_problem(graph, costs, load_target("hetero"), batch=graph.batch * 4, microbatches=4, mode=mode)
+        least = _proven_least(problem, case.stages)
+        if least is not None:
+            assert lower_bound(problem, case.stages).seconds <= least * (1 + 1e-9)
+
+
+def test_a_bound_that_falls_to_zero_ends() -> None:
+    # Three independent nodes are one segment with no clean gap; a stage on each device type can split it at any
+    # fraction, so the relaxation fits every bottleneck above 0 (and not 0 itself): the bisection must still end.
+    nodes = [helper.make_node("Relu", [f"x{i}"], [f"y{i}"], name=f"n{i}") for i in range(3)]
+    graph = helper.make_graph(nodes, "parallel", [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, 4]) for i in range(3)],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 4]) for i in range(3)])
+    loaded = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    problem = build_problem(loaded, mixed_costs(loaded, [1e9] * 3), mixed_target(1), batch=loaded.batch * 2, microbatches=2)
+    assert segments(problem).count == 1
+    assert 0 <= chain_bound(problem, 2) <= optimum(problem, 2) * (1 + 1e-9)

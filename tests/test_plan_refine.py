@@ -45,7 +45,8 @@ def test_refinement_reaches_the_node_level_optimum_the_coarse_blocks_miss() -> N
     assert p.solver.blocks == coarse.count < problem.n
 
 
-def test_solve_info_of_a_coarsened_problem_claims_only_what_holds_for_every_plan() -> None:
+def test_solve_info_of_a_coarsened_problem_claims_only_what_holds_for_every_plan(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(solve_module, "_PROVE_LEVEL", 0)  # a graph too large to be searched node by node afterwards
     problem = _chain_problem(FLOPS)
     p = solve(problem, 3, max_blocks=6, time_limit=5)
     optimum = _best_over(problem, coarsen(problem, problem.n), 3)
@@ -54,6 +55,18 @@ def test_solve_info_of_a_coarsened_problem_claims_only_what_holds_for_every_plan
     assert p.solver.bound_seconds == lower_bound(problem, 3).seconds <= optimum  # ... so the bound is first principles
     assert p.solver.gap == pytest.approx((p.bottleneck_seconds - p.solver.bound_seconds) / p.bottleneck_seconds)
     assert p.solver.status == "OPTIMAL"  # over the coarse blocks, which the refined plan beats
+
+
+def test_a_coarsened_problem_searched_node_by_node_from_its_best_plan_has_the_optimum_as_bound() -> None:
+    problem = _chain_problem(FLOPS)
+    optimum = _best_over(problem, coarsen(problem, problem.n), 3)
+    assert lower_bound(problem, 3).seconds < optimum * (1 - 1e-7)  # first principles alone cannot show it ...
+    p = solve(problem, 3, max_blocks=6, time_limit=5)
+    assert p.solver.blocks == coarsen(problem, 6).count < problem.n
+    assert p.bottleneck_seconds == pytest.approx(optimum, rel=1e-9)
+    # ... CP-SAT over single nodes proves it (each term rounded up to whole nanoseconds)
+    assert p.solver.status == "OPTIMAL" and optimum - 1e-8 <= p.solver.bound_seconds <= optimum + 1e-8
+    assert p.solver.least_bottleneck_seconds == pytest.approx(optimum, rel=1e-9)
 
 
 @given(

@@ -203,8 +203,10 @@ def run_exports(only: list[str]) -> list[dict]:
                         continue
                     ours = Plan.read(out)
                     others = compare(graph, costs, load_target(target), ours)
+                    least = ours.solver.least_bottleneck_seconds or ours.bottleneck_seconds
                     row.update(status=ours.solver.status, gap=ours.solver.gap, solve=ours.solver.solve_seconds, blocks=ours.solver.blocks,
-                               iteration=ours.iteration_seconds,
+                               iteration=ours.iteration_seconds, least_gap=max(0.0, least - ours.solver.bound_seconds) / least,
+                               traded=ours.bottleneck_seconds / least - 1,
                                ratios={b: (ours.iteration_seconds / p.iteration_seconds if fits(p) else None) for b, p in others.items()})
                     rows.append(row)
                     print({key: value for key, value in row.items() if key != "ratios"}, flush=True)
@@ -226,26 +228,34 @@ def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
         "in a sparse external-data file). `wall`: `onnxpipe plan MODEL --target T --stages K` as a whole process (imports, loading,",
         "shape inference without running the model, costing, planning, writing the plan); `RSS`: that process's peak resident memory.",
         "k = 8 runs on the target with every device count doubled. Baseline columns: our predicted iteration time over the",
-        "baseline's, priced by the same cost model (< 1 is better, `-` = it does not fit in memory). `gap`: the plan's bottleneck",
-        "over a bound valid for every plan (`blocks` < nodes: coarsened, the bound is the first-principles one). With a fixed k",
-        "the plan returned is the one of least iteration time among the solver's and every baseline's, so it may carry more than",
-        "the least bottleneck (then FEASIBLE, with that gap) where a baseline's split has a shorter iteration.",
+        "baseline's, priced by the same cost model (< 1 is better, `-` = it does not fit in memory). `bound`: valid for every plan",
+        "(CP-SAT's over single nodes: graphs up to 500 nodes are solved node by node, coarsened ones up to 1,500 are searched",
+        "node by node once more from the best plan; else the first-principles one). `least gap`: the least bottleneck found over",
+        "that bound (0: proven least). With a fixed k the plan returned is the one of least iteration time among the solver's and",
+        "every baseline's, so it may carry more than the least bottleneck where a split has a shorter iteration (then FEASIBLE):",
+        "`traded` is how much more, `gap` the plan's own bottleneck over the bound.",
         "",
-        "| model | nodes | target | k | wall s | solve s | status | gap | blocks | RSS MiB | " + " | ".join(baseline_names) + " |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(baseline_names),
+        "| model | nodes | target | k | wall s | solve s | status | least gap | traded | gap | blocks | RSS MiB | " + " | ".join(baseline_names) + " |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(baseline_names),
     ]
     for r in rows:
         if "error" in r:
             what = "does not fit in memory" if "fits in memory" in r["error"] else f"error: {r['error']}"
-            lines.append(f"| {r['model']} | {r['nodes']} | {r['target']} | {r['k']} | | | {what} |" + " |" * (3 + len(baseline_names)))
+            lines.append(f"| {r['model']} | {r['nodes']} | {r['target']} | {r['k']} | | | {what} |" + " |" * (5 + len(baseline_names)))
             continue
         cells = [f"{r['ratios'][b]:.3f}" if r["ratios"].get(b) is not None else "-" for b in baseline_names]
+        least = f"{r['least_gap']:.2%} | {r['traded']:.2%}" if "least_gap" in r else "| "
         lines.append(f"| {r['model']} | {r['nodes']} | {r['target']} | {r['k']} | {r['wall']:.1f} | {r['solve']:.2f} | {r['status']} | "
-                     f"{r['gap']:.2%} | {r['blocks']} | {r['rss'] / 2**20:.0f} | " + " | ".join(cells) + " |")
+                     f"{least} | {r['gap']:.2%} | {r['blocks']} | {r['rss'] / 2**20:.0f} | " + " | ".join(cells) + " |")
     ok = [r for r in rows if "error" not in r]
     never_worse = all(v is None or v <= 1 + 1e-9 for r in ok for b, v in r["ratios"].items() if b != "data-parallel")
     small = [r for r in ok if r["nodes"] <= 1500 and r["model"] != "gpt2-xl"]
-    small_ok = all((r["status"] == "OPTIMAL" and r["blocks"] >= r["nodes"] or r["gap"] <= 0.005) and r["solve"] <= 3 and r["wall"] <= 6 for r in small)
+    def proven(r: dict) -> bool:
+        return r.get("least_gap", r["gap"]) <= 0.005 and r["solve"] <= 3 and r["wall"] <= 6
+
+    late = [f"{r['model']}/{r['target']}/k={r['k']} ({r.get('least_gap', r['gap']):.2%}, {r['solve']:.1f} s solving, {r['wall']:.1f} s wall)"
+            for r in small if not proven(r)]
+    small_ok = not late
     xl = [r for r in ok if r["model"] == "gpt2-xl"]
     xl_ok = bool(xl) and all(r["wall"] <= 15 and r["rss"] < 2**30 for r in xl)
     misses = [f"{r['model']}/{r['target']}/k={r['k']}" for r in rows if "error" in r and "fits in memory" not in r["error"]]
@@ -253,7 +263,8 @@ def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
         "",
         "Goals (2 cores):",
         f"- never worse than a K-stage baseline in iteration time (data parallelism, one stage, is shown for reference): **{'holds' if never_worse else 'MISSED'}**",
-        f"- every model up to 1,500 compute nodes proven optimal (or within 0.5% of a bound valid for every plan) in <= 3 s solving and <= 6 s wall: **{'holds' if small_ok else 'MISSED'}**",
+        f"- every model up to 1,500 compute nodes: the least bottleneck proven optimal (or within 0.5% of a bound valid for every plan) in <= 3 s "
+        f"solving and <= 6 s wall: **{'holds' if small_ok else 'MISSED'}**" + (f" (misses: {'; '.join(late)})" if late else ""),
         f"- GPT-2-XL-shaped in <= 15 s wall with peak RSS < 1 GiB: **{'holds' if xl_ok else 'MISSED'}**"
         + (f" (worst: {max(r['wall'] for r in xl):.1f} s, {max(r['rss'] for r in xl) / 2**20:.0f} MiB)" if xl else ""),
         "- nothing executes the model: shapes come from static inference and folding (`onnxpipe/shapes.py`); running is opt-in (`--shapes-by-running`)",

@@ -18,7 +18,10 @@ Why it is valid:
    measured in the work of the last stage's group g): a stage on g continuing from a stage on g starts
    at x, which charges it exactly its own work on g (any split of a segment between two stages on one
    group has the same total work on it); a stage on another group starts at floor(x) + 1, dropping the
-   segment where the group changes (charged to nobody). A stage then pays its charged work / r, the
+   segment where the group changes (charged to nobody), or at x itself when x is whole and every node of
+   segment x takes time on g (the stage before took none of it: x is a clean gap). A segment of one node
+   is never split, so a stage's reach is rounded down to the start of a one-node segment it would end
+   inside (that node goes whole to a later stage). A stage then pays its charged work / r, the
    all-reduce of the parameters of the whole segments it covers (as `timemodel.allreduce_seconds`, over
    the micro-batches), the least latency of a message into its group when it starts after position 0
    and ends past max(start, 1) (some earlier node is then an ancestor of one of its nodes), and the
@@ -121,7 +124,8 @@ def chain_bound(problem: Problem, stages: int, replicas: bool = True, deadline: 
     try:
         if not _feasible(chain, stages, high, deadline):
             return 0.0
-        while high - low > _PRECISION * high:
+        precision = _PRECISION * high  # of the starting upper bound: a bound near 0 ends too (no float underflow loop)
+        while high - low > precision:
             mid = (low + high) / 2
             if _feasible(chain, stages, mid, deadline):
                 high = mid
@@ -155,6 +159,10 @@ class _Chain:
         self.prefix = [[0.0, *np.cumsum(w).tolist()] for w in self.seg_work]
         self.params = [[0.0, *np.cumsum(params * t).tolist()] for t in timed]
         self.seg = [w.tolist() for w in self.seg_work]
+        #: Segments of one node: a stage holds all of it or none (its positions stay whole).
+        self.atomic = (np.bincount(of, minlength=self.m) == 1).tolist()
+        #: Per group, segments whose every node takes time there: a stage ending at their start took none of them.
+        self.timed = [t.tolist() for t in timed]
         latency = problem.latency
         ok = [[self.counts[h] >= (2 if h == g else 1) for h in groups] for g in groups]
         self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
@@ -187,7 +195,21 @@ class _Chain:
         if self._cost(g, r, a, m, ring) + (lat_in if m > max(a, 1.0) else 0.0) <= t:
             return float(m)
         early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out, ring))
-        return min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring)))
+        return self._whole(a, min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring))))
+
+    def _whole(self, a: float, y: float) -> float:
+        """`y` rounded down to the start of a one-node segment it ends inside (never below `a`)."""
+        i = int(y)
+        return max(a, float(i)) if i < self.m and y > i and self.atomic[i] else y
+
+    def after(self, last: int, x: float) -> float:
+        """Where a stage on another group than `last`'s starts when `last`'s stage ended at `x`: at x when x is a
+        segment's start and every node of that segment takes time on `last` (so that stage took none of it), else
+        past the segment x ends in (its rest is charged to nobody)."""
+        i = int(x)
+        if x == i and (i >= self.m or (last >= 0 and self.timed[last][i])):
+            return x
+        return min(float(self.m), i + 1.0)
 
     def _cost(self, g: int, r: int, a: float, y: float, ring: bool) -> float:
         fixed, slope, _ = self.allreduce[g, r, ring]
@@ -245,7 +267,7 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
         for (used, last), x in level.items():
             if deadline is not None and deadline.passed():
                 raise _OutOfTime
-            later = min(float(chain.m), math.floor(x) + 1.0) if last != -1 else x
+            later = chain.after(last, x) if last != -1 else x
             for g in groups:
                 start = x if last in (-1, g) else later
                 for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):

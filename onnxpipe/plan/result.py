@@ -84,6 +84,9 @@ class SolveInfo:
     coarsening_loss: float
     #: Blocks the graph was coarsened to for the first solve.
     blocks: int
+    #: The least bottleneck among the plans found (`status` says whether it is proven least): the plan's own, unless the
+    #: plan was chosen for a shorter predicted iteration at a larger bottleneck; 0 where not recorded.
+    least_bottleneck_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
