@@ -155,8 +155,10 @@ def ray_rows(steps: int) -> str:
         f"{': loaded, other work was running' if max(load0, load1) > 2.5 else ''}). Same stage directory (cpu2, 2 stages, 1F1B). "
         "Predicted: the simulator's step for that plan on cpu2 with the local backend's costs (error against the local step) "
         "and with the Ray backend's (`simulate --backend ray`: cpu2's [backends.ray], measured by tools/measure_ray.py --costs). "
-        "What Ray adds per step: the driver's actor call and reply per worker (step_overhead) and, per message, the receiver's "
-        "copy out of the channel (recv_bandwidth; the local receiver reads its shared-memory slot in place).",
+        "What Ray adds per step (step_overhead, and per message the send, receive and latency figures): Ray's own work in the "
+        "actors and the driver (serializing into and reading out of its channels, its threads); a command and its reply "
+        "travel on the channels, and a receiver reads a tensor in place in the channel's buffer, as the local backend's "
+        "receivers read their shared-memory slots.",
         "",
         "| case | local ms/step | Ray ms/step | Ray / local | predicted local ms (error) | predicted Ray ms | error vs Ray |",
         "|---|---:|---:|---:|---:|---:|---:|",
