@@ -32,7 +32,7 @@ from onnxpipe import models
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan import plan_model
 from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
-from onnxpipe.schedule import SCHEDULES
+from onnxpipe.schedule import SCHEDULES, virtual
 from onnxpipe.split import split
 from benchdoc import write_section
 
@@ -50,7 +50,7 @@ KNOBS: dict[str, dict[str, int | bool]] = {
     "gnmt-tiny": {"hidden": 128, "seq": 24, "batch": 16, "vocab": 512},
     "two-io": {"width": 1024, "in_features": 512, "batch": 256},
 }
-#: Stages and micro-batches per target: one stage per worker, 2 x stages micro-batches.
+#: Devices and micro-batches per target: one worker process per device, 2 x devices micro-batches.
 SHAPES = {"cpu2": (2, 4), "cpu4": (4, 8)}
 GOAL = 0.15
 NOTE = (
@@ -152,14 +152,17 @@ def _knob_value(raw: str) -> int | float | bool:
         return float(raw)
 
 
-def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int, work: Path) -> dict:
-    """Plan with profiled costs and split; train the stage directory with the CLI; simulate the saved plan."""
+def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int, work: Path, microbatches: int | None = None) -> dict:
+    """Plan with profiled costs and split; train the stage directory with the CLI; simulate the saved plan
+    (`microbatches` in place of the target's 2 x devices: tools/bench_train.py --schedules)."""
     k, m = SHAPES[target]
+    m = microbatches or m
     path = work / f"{model_name}.onnx"
     if not path.exists():
         onnx.save(models.build(model_name, train=True, **knobs), str(path))
-    graph, _, _, plan = plan_model(path, target, stages=k, microbatches=m, schedule=schedule, optimizer="sgd", time_limit=5.0)
-    stages = work / f"{model_name}-{target}-{schedule}"
+    # k devices: k stages, or v per device where the schedule gives a device v (interleaved 1F1B, ZB-V).
+    graph, _, _, plan = plan_model(path, target, stages=k * virtual(schedule), microbatches=m, schedule=schedule, optimizer="sgd", time_limit=5.0)
+    stages = work / f"{model_name}-{target}-{schedule}-{m}"
     split(graph, plan, stages, force=True)
     out = stages.with_suffix(".json")
     load = os.getloadavg()[0]
