@@ -97,7 +97,8 @@ def test_stages_land_on_the_nodes_the_target_names(cluster: object, tmp_path: Pa
 
 
 @pytest.mark.parametrize(("name", "k", "replicas", "schedule"), [
-    ("resnet-tiny", 2, None, "gpipe"), ("gpt2-tiny", 2, None, "1f1b"), ("mlp", 2, (1, 2), "gpipe"), ("mlp", 2, (1, 2), "1f1b")])
+    ("resnet-tiny", 2, None, "gpipe"), ("gpt2-tiny", 2, None, "1f1b"), ("mlp", 2, (1, 2), "gpipe"), ("mlp", 2, (1, 2), "1f1b"),
+    ("gpt2-tiny", 4, None, "zb-v")])  # ZB-V: 4 stages on 2 devices, one actor per stage on Ray, one host per device locally
 def test_ray_trains_bit_for_bit_as_the_local_backend(cluster: object, name: str, k: int, replicas: tuple[int, ...] | None,
                                                       schedule: str) -> None:
     directory, manifest = stage_dir(name, k, replicas=replicas)
