@@ -80,3 +80,34 @@ def test_metrics_count_a_device_of_several_stages_once() -> None:
     # 4 stages on 2 devices: the bubble is the devices' idle share, as the simulator counts it.
     assert pipe.devices == 2 and len(metrics["stages"]) == 4
     assert metrics["bubble_fraction"] == pytest.approx(max(0.0, 1 - busy / (2 * metrics["step_seconds"])))
+
+
+def test_killed_device_process_fails_fast_naming_one_of_its_stages() -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from test_train import _alive, _segments
+
+    from onnxpipe.errors import OnnxpipeError
+    from onnxpipe.train.processes import ProcessPipeline
+
+    directory, manifest = stage_dir("gpt2-tiny", 4)
+    config = TrainConfig(schedule="interleaved", microbatches=M, optimizer=SGD)
+    data = batches("gpt2-tiny", manifest, config, steps=1)[0]
+    pipe = ProcessPipeline(prepare_stages(directory, manifest, config))
+    pids, prefix = pipe.pids, pipe.segment_prefix
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        os.kill(pids[1], signal.SIGKILL)  # device 1: stages 1 and 3
+
+    timer = threading.Timer(0.3, kill)
+    timer.start()
+    with pytest.raises(OnnxpipeError, match=r"stage [13] \(stage_[13]\.onnx\) failed.*exited with code -9"):
+        for _ in range(100000):
+            pipe.train_step(data)
+    assert killed and time.monotonic() - killed[0] < 5.0
+    assert not _alive(pids) and not _segments(prefix)
