@@ -215,13 +215,15 @@ def run_exports(only: list[str]) -> list[dict]:
 
 def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
     baseline_names = ("uniform-nodes", "uniform-layers", "parameters", "pipedream", "data-parallel")
+    loads = [x for r in rows for x in r.get("load", load_avg)]
+    load_avg = (min(loads, default=load_avg[0]), max(loads, default=load_avg[1]))
     lines = [
         "## Planner on real exports: wall time, memory, quality",
         "",
         f"Regenerate: `/work/torchenv/bin/python tools/export_real_models.py` (any Python with torch, torchvision, transformers,",
         "onnxscript; `.venv/bin/python tools/export_real_models.py --only gpt2-xl` for the zoo model alone), then",
-        f"`.venv/bin/python tools/bench_plan.py --exports` ({os.cpu_count()} cores, 1-minute load average {load_avg[0]:.1f} at the start and",
-        f"{load_avg[1]:.1f} at the end: wall and solve times are on shared cores, a quiet machine is faster).",
+        f"`.venv/bin/python tools/bench_plan.py --exports` ({os.cpu_count()} cores, 1-minute load average {load_avg[0]:.1f} to {load_avg[1]:.1f}",
+        "at the starts and ends of the runs, one run per `--only` chunk: wall and solve times are on shared cores, a quiet machine is faster).",
         "Exports by `torch.onnx.export` at its defaults (dynamo, optimised, weights as external data, symbolic batch/sequence bound",
         "with `--dim`: ResNet-50, MobileNetV2 batch 32, ViT-B/16 batch 64, BERT-base 16 x 256, GPT-2 8 x 512), GPT-2 once more with",
         "`optimize=False`, and `gpt2-xl`: the zoo's GPT-2 at 48 layers, d_model 1600, seq 1024 (1.56 B parameters, 5.8 GiB of weights",
@@ -353,6 +355,8 @@ def main() -> None:
     if args.exports:
         chosen = [m for m in args.only.split(",") if m]
         rows = run_exports(chosen)
+        for r in rows:  # each chunk's load beside its rows: a rerun of some exports keeps the others' rows and loads
+            r["load"] = (start, os.getloadavg()[0])
         kept = json.loads(EXPORTS_ROWS.read_text()) if EXPORTS_ROWS.exists() else []
         rows = [r for r in kept if r["model"] not in chosen] + rows  # a rerun of some exports keeps the others' rows
         rows.sort(key=lambda r: list(EXPORTS).index(r["model"]) if r["model"] in EXPORTS else len(EXPORTS))
