@@ -341,7 +341,9 @@ def test_worker_processes_match_unpartitioned(name: str, k: int, schedule: str, 
     assert not _alive(pids) and not _segments(prefix)
 
 
-def test_killed_worker_fails_fast_naming_the_stage() -> None:
+def assert_killed_process_fails_fast(stages: int, schedule: str, named: str) -> None:
+    """SIGKILL worker process 1 mid-run: the step fails within 5 s with one line naming a stage it ran (`named`, a
+    pattern) and nothing of the run is left behind."""
     import os
     import signal
     import threading
@@ -349,8 +351,8 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
 
     from onnxpipe.train.processes import ProcessPipeline
 
-    directory, manifest = stage_dir("gpt2-tiny", 3)
-    config = TrainConfig(schedule="1f1b", microbatches=M, optimizer=SGD)
+    directory, manifest = stage_dir("gpt2-tiny", stages)
+    config = TrainConfig(schedule=schedule, microbatches=M, optimizer=SGD)
     data = batches("gpt2-tiny", manifest, config, steps=1)[0]
     pipe = ProcessPipeline(prepare_stages(directory, manifest, config))
     pids, prefix = pipe.pids, pipe.segment_prefix
@@ -362,11 +364,15 @@ def test_killed_worker_fails_fast_naming_the_stage() -> None:
 
     timer = threading.Timer(0.3, kill)
     timer.start()
-    with pytest.raises(OnnxpipeError, match=r"stage 1 \(stage_1\.onnx\) failed.*exited with code -9"):
+    with pytest.raises(OnnxpipeError, match=rf"stage {named} \(stage_{named}\.onnx\) failed.*exited with code -9"):
         for _ in range(100000):
             pipe.train_step(data)
     assert killed and time.monotonic() - killed[0] < 5.0
     assert not _alive(pids) and not _segments(prefix)
+
+
+def test_killed_worker_fails_fast_naming_the_stage() -> None:
+    assert_killed_process_fails_fast(3, "1f1b", "1")
 
 
 def test_worker_error_names_stage_microbatch_and_phase() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_train import ADAMW, M, REWRITTEN, RTOL, SGD, TRAINABLE, assert_same_training, batches, reference, stage_dir
+from test_train import (ADAMW, M, REWRITTEN, RTOL, SGD, TRAINABLE, assert_killed_process_fails_fast, assert_same_training, batches,
+                        reference, stage_dir)
 
 from onnxpipe import schedule as sched
 from onnxpipe.train.prepare import TrainConfig, prepare_stages
@@ -83,31 +84,5 @@ def test_metrics_count_a_device_of_several_stages_once() -> None:
 
 
 def test_killed_device_process_fails_fast_naming_one_of_its_stages() -> None:
-    import os
-    import signal
-    import threading
-    import time
-
-    from test_train import _alive, _segments
-
-    from onnxpipe.errors import OnnxpipeError
-    from onnxpipe.train.processes import ProcessPipeline
-
-    directory, manifest = stage_dir("gpt2-tiny", 4)
-    config = TrainConfig(schedule="interleaved", microbatches=M, optimizer=SGD)
-    data = batches("gpt2-tiny", manifest, config, steps=1)[0]
-    pipe = ProcessPipeline(prepare_stages(directory, manifest, config))
-    pids, prefix = pipe.pids, pipe.segment_prefix
-    killed: list[float] = []
-
-    def kill() -> None:
-        killed.append(time.monotonic())
-        os.kill(pids[1], signal.SIGKILL)  # device 1: stages 1 and 3
-
-    timer = threading.Timer(0.3, kill)
-    timer.start()
-    with pytest.raises(OnnxpipeError, match=r"stage [13] \(stage_[13]\.onnx\) failed.*exited with code -9"):
-        for _ in range(100000):
-            pipe.train_step(data)
-    assert killed and time.monotonic() - killed[0] < 5.0
-    assert not _alive(pids) and not _segments(prefix)
+    # interleaved 1F1B, 4 stages on 2 devices: process 1 is device 1, holding stages 1 and 3.
+    assert_killed_process_fails_fast(4, "interleaved", "[13]")
