@@ -80,8 +80,11 @@ class KernelModel:
 #:   convolution FLOPs, which only a reduced-arithmetic algorithm does (shared/measured/h100).
 #: - tile 128: CUTLASS's and cuBLAS's FP32 SGEMM kernels compute 128x128 output tiles, one per thread block
 #:   (CUTLASS default SGEMM threadblock shape 128x128x8; NVIDIA "Matrix Multiplication Background User's
-#:   Guide", tile quantization). multiprocessors: per device, from its datasheet (0 here: unknown).
-GPU_KERNELS = KernelModel(memory_efficiency=0.9, reduction_half=64.0, columns_half=32.0, winograd_speedup=2.25, winograd_traffic=8.0, tile=128.0)
+#:   Guide", tile quantization).
+#: - multiprocessors 108: per device, from its datasheet (`[devices.kernels]`); where the file names none, the A100's
+#:   108 SMs, between the V100's 80 and the H100's 132 (NVIDIA's Volta, Ampere and Hopper architecture whitepapers).
+#:   Estimate: its x0.75 / x1.33 change no H100 partition by more than 1.041x (docs/benchmarks.md, cost model).
+GPU_KERNELS = KernelModel(memory_efficiency=0.9, reduction_half=64.0, columns_half=32.0, winograd_speedup=2.25, winograd_traffic=8.0, multiprocessors=108.0, tile=128.0)
 
 
 @dataclass(frozen=True)
