@@ -40,7 +40,7 @@ from onnxpipe.split import split
 from onnxpipe.target import load_target
 from bench_sim import KNOBS as TRAINING_KNOBS
 from bench_sim import train_with_background
-from benchdoc import write_section
+from benchdoc import merge_rows, write_section
 
 NAME = Path(__file__).stem
 #: Real-size zoo models; a micro-batch of 8 samples (at 1, the fixed per-node cost of ResNet-50 int8's ~250
@@ -269,15 +269,10 @@ def measured_section(rows: list[dict], failures: list[str], repeat: int, runs: i
     return "\n".join(lines)
 
 
-def _merged_rows(path: Path, rows: list[dict]) -> list[dict]:
-    """FILE's earlier rows of other cases, then this run's (written back to FILE), in the table's case order."""
-    done = {(r["model"], r["target"]) for r in rows}
-    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    merged = [r for r in kept if (r["model"], r["target"]) not in done] + rows
-    order = {name: i for i, name in enumerate(TINY)}
-    merged.sort(key=lambda r: (order.get(r["model"], len(order)), r["model"], list(SHAPES).index(r["target"]) if r["target"] in SHAPES else len(SHAPES)))
-    path.write_text("".join(json.dumps(r) + "\n" for r in merged))
-    return merged
+def _case_order(row: dict) -> tuple:
+    """The table's order: models as in TINY, then targets as in SHAPES."""
+    model = TINY.index(row["model"]) if row["model"] in TINY else len(TINY)
+    return model, row["model"], list(SHAPES).index(row["target"]) if row["target"] in SHAPES else len(SHAPES)
 
 
 def main() -> None:
@@ -309,7 +304,7 @@ def main() -> None:
                         rows.append({"model": name, "target": target, "failure": f"{name} {target}: {exc}"})
                         print(rows[-1]["failure"], flush=True)
         if args.rows:
-            rows = _merged_rows(Path(args.rows), rows)
+            rows = merge_rows(Path(args.rows), rows, lambda r: (r["model"], r["target"]), _case_order)
             settings = {(r["repeat"], r["runs"]) for r in rows if "failure" not in r}
             if len(settings) > 1:
                 raise SystemExit(f"{args.rows}: rows of runs with different --repeat/--runs {sorted(settings)}; table one setting per file")

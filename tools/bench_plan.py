@@ -19,13 +19,13 @@ Prints the table and rewrites its section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -36,7 +36,7 @@ from onnxpipe.models import build, names
 from onnxpipe.plan import compare, fits, plan
 from onnxpipe.plan.result import Plan
 from onnxpipe.target import load_target
-from benchdoc import write_section
+from benchdoc import merge_rows, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "bench_plan"
@@ -54,9 +54,9 @@ EXPORTS = {
 }
 EXPORT_TARGETS = ("gpu4", "hetero", "fpga4")
 #: The rows of the last --exports runs, so rerunning some exports keeps the others' (beside the exports).
-EXPORTS_ROWS = EXPORTS_DIR / "bench_plan_rows.json"
+EXPORTS_ROWS = EXPORTS_DIR / "bench_plan_rows.jsonl"
 #: The zoo rows of earlier `--models` chunks, kept so that a chunk replaces only its own models' rows.
-ZOO_ROWS = ROOT / "build" / "bench_plan_zoo_rows.json"
+ZOO_ROWS = ROOT / "build" / "bench_plan_zoo_rows.jsonl"
 TARGETS = ("fpga4", "gpu4", "hetero")
 LARGE_SECTION = "bench_plan_large"
 #: Device counts of --large, and what a process spends beyond the planning limit (start-up, imports).
@@ -226,7 +226,7 @@ def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
     lines = [
         "## Planner on real exports: wall time, memory, quality",
         "",
-        f"Regenerate: `/work/torchenv/bin/python tools/export_real_models.py` (any Python with torch, torchvision, transformers,",
+        "Regenerate: `python tools/export_real_models.py` (any Python with torch, torchvision, transformers,",
         "onnxscript; `.venv/bin/python tools/export_real_models.py --only gpt2-xl` for the zoo model alone), then",
         f"`.venv/bin/python tools/bench_plan.py --exports` ({os.cpu_count()} cores, 1-minute load average {load_avg[0]:.1f} to {load_avg[1]:.1f}",
         "at the starts and ends of the runs, one run per `--only` chunk: wall and solve times are on shared cores, a quiet machine is faster).",
@@ -344,16 +344,13 @@ def report_large(rows: list[dict], time_limit: float, load_avg: tuple[float, flo
     return "\n".join(lines)
 
 
-def _merged(path: Path, rows: list[dict], order: list[str]) -> list[dict]:
-    """This run's rows with the rows an earlier run left in `path` for other models (a rerun of some models keeps the
-    others'), in `order`; written back to `path`."""
-    chosen = {r["model"] for r in rows}
-    kept = json.loads(path.read_text()) if path.exists() else []
-    rows = [r for r in kept if r["model"] not in chosen] + rows
-    rows.sort(key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows))
-    return rows
+def _model(row: dict) -> str:
+    return row["model"]
+
+
+def _in_order(models: tuple[str, ...]) -> Callable[[dict], tuple]:
+    """Rows sorted by their model's place in `models` (others last); a stable sort keeps each model's own order."""
+    return lambda row: (models.index(row["model"]) if row["model"] in models else len(models),)
 
 
 def main() -> None:
@@ -375,12 +372,12 @@ def main() -> None:
         rows = run_exports(chosen)
         for r in rows:  # each chunk's load beside its rows: a rerun of some exports keeps the others' rows and loads
             r["load"] = (start, os.getloadavg()[0])
-        rows = _merged(EXPORTS_ROWS, rows, list(EXPORTS))
+        rows = merge_rows(EXPORTS_ROWS, rows, _model, _in_order(EXPORTS))
         text = report_exports(rows, (start, os.getloadavg()[0]))
         print(text)
         write_section(EXPORTS_SECTION, text)
         return
-    rows = _merged(ZOO_ROWS, run(args.time_limit, [m for m in args.models.split(",") if m]), [*names(), BIG])
+    rows = merge_rows(ZOO_ROWS, run(args.time_limit, [m for m in args.models.split(",") if m]), _model, _in_order((*names(), BIG)))
     text = report(rows, args.time_limit, (start, os.getloadavg()[0]))
     print(text)
     write_section(SECTION, text)

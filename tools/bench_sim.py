@@ -238,8 +238,8 @@ def main() -> None:
     repeats = sorted({r.get("repeat", args.repeat) for r in rows}) or [args.repeat]
     if len(steps) > 1 or len(repeats) > 1:
         raise SystemExit(f"{args.rows}: rows of runs with different --steps {steps} or --repeat {repeats}; table one setting per file")
-    chunked = (f" (run once per model with `--models M --rows FILE`, each run putting its rows in FILE in place of any earlier rows of "
-               f"its model: chunks of under 10 minutes on a machine held quiet; the table is all of FILE's rows)") if args.rows else ""
+    chunked = (" (run once per model with `--models M --rows FILE`, each run putting its rows in FILE in place of any earlier rows of "
+               "its model: chunks of under 10 minutes on a machine held quiet; the table is all of FILE's rows)") if args.rows else ""
     within = sum(abs(r["error"]) <= GOAL for r in rows)
     lines = [
         "## Simulator fidelity (predicted vs measured iteration time)",

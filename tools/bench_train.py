@@ -12,10 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
+from bench_sim import measure
+
 from onnxpipe import models
+from onnxpipe.schedule import virtual
+from onnxpipe.target import load_target
 from onnxpipe.train.fit import data_source
 from onnxpipe.train.local import LocalPipeline
 from onnxpipe.train.optimizer import OptimizerConfig
@@ -126,7 +131,6 @@ def ray_rows(steps: int) -> str:
     Ray runs on an instance of its own on this machine (loopback)."""
     import onnxpipe
     from onnxpipe.plan.result import Plan
-    from onnxpipe.target import load_target
 
     target = load_target("cpu2")
     load0 = os.getloadavg()[0]
@@ -210,10 +214,6 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
     """bench_sim's measurement of one case (plan with profiled costs, split, `onnxpipe train DIR --json` in its own
     process with the other work's runnable processes sampled, simulate the saved plan with that background) at m
     micro-batches, with the schedule's ideal bubble."""
-    from bench_sim import measure
-
-    from onnxpipe.schedule import virtual
-
     name, knobs = SCHEDULE_MODEL
     return {**measure(name, knobs, target, schedule, steps, work, microbatches=m), "schedule": schedule, "m": m,
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
@@ -221,44 +221,39 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
 
 def schedule_rows(steps: int) -> str:
     """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target, measured and simulated."""
-    from onnxpipe.target import load_target
-
-    import shutil
-    import tempfile
-
     name, knobs = SCHEDULE_MODEL
     load0 = os.getloadavg()[0]
-    work = Path(tempfile.mkdtemp(prefix="bench-train-schedules-"))
     lines, misses, goals, total = [], [], [], 0
     held = lambda ok: "**holds**" if ok else "**MISSED**"  # noqa: E731
-    for target, k in SCHEDULE_TARGETS.items():
-        host = load_target(target).host
-        cores = host.cores if host and host.cores else k
-        bound = {m: single_process(name, m, steps, threads=1, knobs=knobs) / min(k, cores) for m in (k, 2 * k)}
-        by = {}
-        for m, schedule in ((2 * k, "1f1b"), (2 * k, "zb-h1"), (k, "1f1b"), (k, "interleaved")):
-            r = by[(schedule, m)] = schedule_run(target, k, m, schedule, steps, work)
-            one = by[("1f1b", m)]
-            total += 1
-            if abs(r["error"]) > SIM_GOAL:
-                misses.append(f"{target} {schedule} m={m} ({r['error']:+.1%})")
-            lines.append(f"| {name} {target} k={k} m={m} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
-                         f"{r['measured'] * 1e3:.1f} | {r['measured'] / one['measured']:.2f}x | {r['quiet'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | "
-                         f"{r['error']:+.1%} | {r['bubble_measured']:.1%} | {r['bubble_measured'] / one['bubble_measured'] if one['bubble_measured'] else float('nan'):.2f}x | "
-                         f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {bound[m] * 1e3:.1f} |")
-            print(lines[-1], flush=True)
-        zb, one2, il, one1 = by[("zb-h1", 2 * k)], by[("1f1b", 2 * k)], by[("interleaved", k)], by[("1f1b", k)]
-        goals.append(f"- {target} (k={k}): ZB-H1's measured bubble at m={2 * k} is {zb['bubble_measured'] / one2['bubble_measured']:.2f}x 1F1B's "
-                     f"(goal <= {ZB_BUBBLE_GOAL}x): {held(zb['bubble_measured'] <= ZB_BUBBLE_GOAL * one2['bubble_measured'])}; interleaved 1F1B's measured step "
-                     f"at m={k} is {il['measured'] / one1['measured']:.2f}x 1F1B's (goal <= {INTERLEAVED_STEP_GOAL}x): "
-                     f"{held(il['measured'] <= INTERLEAVED_STEP_GOAL * one1['measured'])}")
-        goals.append(f"  - {k} workers share {cores:g} cores' worth: whatever the schedule, at least 1 - cores/k = {max(0.0, 1 - cores / k):.1%} "
-                     f"of device time has no core to compute on (1F1B's ideal bubble at m={2 * k}: {IDEAL['1f1b'](k, 2 * k):.1%}); "
-                     f"1F1B's step at m={2 * k} is {one2['measured'] / bound[2 * k]:.2f}x the core bound measured, "
-                     f"{one2['simulated'] / bound[2 * k]:.2f}x simulated; ZB-H1's simulated step is {zb['simulated'] / one2['simulated']:.2f}x 1F1B's, "
-                     f"interleaved's {il['simulated'] / one1['simulated']:.2f}x (busy {sum(il['busy_measured']) / sum(one1['busy_measured']):.2f}x measured, "
-                     f"{sum(il['busy_simulated']) / sum(one1['busy_simulated']):.2f}x simulated)")
-    shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="bench-train-schedules-") as tmp:
+        work = Path(tmp)
+        for target, k in SCHEDULE_TARGETS.items():
+            host = load_target(target).host
+            cores = host.cores if host and host.cores else k
+            bound = {m: single_process(name, m, steps, threads=1, knobs=knobs) / min(k, cores) for m in (k, 2 * k)}
+            by = {}
+            for m, schedule in ((2 * k, "1f1b"), (2 * k, "zb-h1"), (k, "1f1b"), (k, "interleaved")):
+                r = by[(schedule, m)] = schedule_run(target, k, m, schedule, steps, work)
+                one = by[("1f1b", m)]
+                total += 1
+                if abs(r["error"]) > SIM_GOAL:
+                    misses.append(f"{target} {schedule} m={m} ({r['error']:+.1%})")
+                lines.append(f"| {name} {target} k={k} m={m} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
+                             f"{r['measured'] * 1e3:.1f} | {r['measured'] / one['measured']:.2f}x | {r['quiet'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | "
+                             f"{r['error']:+.1%} | {r['bubble_measured']:.1%} | {r['bubble_measured'] / one['bubble_measured'] if one['bubble_measured'] else float('nan'):.2f}x | "
+                             f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {bound[m] * 1e3:.1f} |")
+                print(lines[-1], flush=True)
+            zb, one2, il, one1 = by[("zb-h1", 2 * k)], by[("1f1b", 2 * k)], by[("interleaved", k)], by[("1f1b", k)]
+            goals.append(f"- {target} (k={k}): ZB-H1's measured bubble at m={2 * k} is {zb['bubble_measured'] / one2['bubble_measured']:.2f}x 1F1B's "
+                         f"(goal <= {ZB_BUBBLE_GOAL}x): {held(zb['bubble_measured'] <= ZB_BUBBLE_GOAL * one2['bubble_measured'])}; interleaved 1F1B's measured step "
+                         f"at m={k} is {il['measured'] / one1['measured']:.2f}x 1F1B's (goal <= {INTERLEAVED_STEP_GOAL}x): "
+                         f"{held(il['measured'] <= INTERLEAVED_STEP_GOAL * one1['measured'])}")
+            goals.append(f"  - {k} workers share {cores:g} cores' worth: whatever the schedule, at least 1 - cores/k = {max(0.0, 1 - cores / k):.1%} "
+                         f"of device time has no core to compute on (1F1B's ideal bubble at m={2 * k}: {IDEAL['1f1b'](k, 2 * k):.1%}); "
+                         f"1F1B's step at m={2 * k} is {one2['measured'] / bound[2 * k]:.2f}x the core bound measured, "
+                         f"{one2['simulated'] / bound[2 * k]:.2f}x simulated; ZB-H1's simulated step is {zb['simulated'] / one2['simulated']:.2f}x 1F1B's, "
+                         f"interleaved's {il['simulated'] / one1['simulated']:.2f}x (busy {sum(il['busy_measured']) / sum(one1['busy_measured']):.2f}x measured, "
+                         f"{sum(il['busy_simulated']) / sum(one1['busy_simulated']):.2f}x simulated)")
     goals.append(f"- simulated within {SIM_GOAL:.0%} of every measured run: {held(not misses)} ({total - len(misses)} of {total}"
                  f"{'; beyond: ' + ', '.join(misses) if misses else ''})")
     return "\n".join([

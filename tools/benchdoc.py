@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -21,3 +23,14 @@ def write_section(name: str, body: str) -> None:
     tmp = DOC.with_name(DOC.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, DOC)
+
+
+def merge_rows(path: Path, rows: list[dict], case: Callable[[dict], Hashable], order: Callable[[dict], tuple]) -> list[dict]:
+    """This run's rows with the rows earlier runs left in `path` (JSON lines) for other cases, sorted by `order` and
+    written back: a benchmark runs in chunks short enough to hold the machine quiet, and a case run again replaces its rows."""
+    done = {case(r) for r in rows}
+    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    merged = sorted([r for r in kept if case(r) not in done] + rows, key=order)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in merged))
+    return merged

@@ -7,7 +7,7 @@ weights as external data) with a symbolic batch (and sequence) dim; GPT-2 once m
 zoo with its weights as external data in a sparse file: zeros never written nor held in memory.
 
 torch is not a dependency of onnxpipe: run this with an environment that has torch, torchvision,
-transformers and onnxscript (e.g. `/work/torchenv/bin/python tools/export_real_models.py`); the zoo
+transformers and onnxscript (run it with that Python: `python tools/export_real_models.py`); the zoo
 model alone needs only onnxpipe (`--only gpt2-xl`). The files are large and not committed.
 
 Usage: PYTHON tools/export_real_models.py [--only a,b,...] [--out DIR]
