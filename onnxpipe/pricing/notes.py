@@ -11,7 +11,6 @@ import numpy as np
 
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.timemodel import rate_dtype
-from onnxpipe.quantized import dequantized_source
 from onnxpipe.units import format_bytes
 
 __all__ = ["pricing_notes"]
@@ -26,7 +25,7 @@ def pricing_notes(problem: Problem, stage_of: np.ndarray, devices: Sequence[Sequ
 
 
 def _dequantized_cuts(problem: Problem, stage_of: np.ndarray) -> tuple[str, ...]:
-    sent = [(t, source) for t, source in _dequantized(problem) if (stage_of[problem.tensor_consumers[t]] != stage_of[problem.tensor_producer[t]]).any()]
+    sent = [(t, source) for t, source in problem.dequantized if (stage_of[problem.tensor_consumers[t]] != stage_of[problem.tensor_producer[t]]).any()]
     if not sent:
         return ()
     t, source = sent[0]
@@ -37,16 +36,6 @@ def _dequantized_cuts(problem: Problem, stage_of: np.ndarray) -> tuple[str, ...]
     more = f"; {len(sent) - 1} more such boundary tensor{'s' if len(sent) > 2 else ''}" if len(sent) > 1 else ""
     return (f"{first}{more}: priced at the float size, and its int8 readers beyond the cut at the float rate (nothing fuses them with "
             f"their DequantizeLinear there; a cut before the DequantizeLinear would send the int8 data)",)
-
-
-def _dequantized(problem: Problem) -> list[tuple[int, str]]:
-    """(tensor index, int8 source) of the problem's stage-crossable tensors that a DequantizeLinear made from int8 data."""
-    cache = problem.__dict__.get("_onnxpipe_dequantized")
-    if cache is None:
-        found = [(t, dequantized_source(problem.graph, name)) for t, name in enumerate(problem.tensor_names) if problem.tensor_producer[t] >= 0]
-        cache = [(t, source) for t, source in found if source is not None]
-        object.__setattr__(problem, "_onnxpipe_dequantized", cache)
-    return cache
 
 
 def _missing_rates(problem: Problem, devices: Sequence[Sequence[str]]) -> tuple[str, ...]:

@@ -87,6 +87,8 @@ class Problem:
     #: Zeros otherwise (training sends no reordered tensor; other devices; models without either).
     crossing_sent: np.ndarray
     crossing_received: np.ndarray
+    #: (tensor index, int8 source) of the stage-crossable tensors a DequantizeLinear made from int8 data.
+    dequantized: tuple[tuple[int, str], ...]
     #: (groups, groups) link bandwidth (bytes/s) and latency (s); inf/0 where no link exists.
     bandwidth: np.ndarray
     latency: np.ndarray
@@ -243,7 +245,8 @@ def build_problem(
             bandwidth[a, b], latency[a, b] = link.bandwidth, link.latency
     firsts = [target.device(members[g][0]) for g in groups]
     sent, received = _reorders(costs, firsts, nodes, producer, nbytes, consumers, mode)
-    received += _dequantized_readers(graph, costs, firsts, nodes, names, producer, consumers, forward, scale, dtype)
+    dequantized = tuple((t, source) for t, name in enumerate(names) if producer[t] >= 0 and (source := dequantized_source(graph, name)) is not None)
+    received += _dequantized_readers(costs, firsts, nodes, dequantized, consumers, forward, scale, dtype)
     return Problem(
         graph=graph,
         costs=costs,
@@ -269,6 +272,7 @@ def build_problem(
         tensor_consumers=consumers,
         crossing_sent=sent,
         crossing_received=received,
+        dequantized=dequantized,
         bandwidth=bandwidth,
         latency=latency,
         capacity=np.array([d.memory_bytes for d in firsts], dtype=float),
@@ -319,14 +323,12 @@ def _reorders(costs: Costs, devices: list[Device], nodes: tuple[str, ...], produ
     return sent, received
 
 
-def _dequantized_readers(graph: Graph, costs: Costs, devices: list[Device], nodes: tuple[str, ...], names: tuple[str, ...], producer: np.ndarray,
+def _dequantized_readers(costs: Costs, devices: list[Device], nodes: tuple[str, ...], dequantized: tuple[tuple[int, str], ...],
                          consumers: tuple[np.ndarray, ...], forward: np.ndarray, scale: float, dtype: str) -> np.ndarray:
     """(groups, tensors) seconds the int8 readers of a received dequantized tensor take more as float kernels (`forward`:
     the problem's node times; `devices`: each group's first device)."""
-    extra = np.zeros((len(devices), len(names)))
-    for t, name in enumerate(names):
-        if producer[t] < 0 or dequantized_source(graph, name) is None:
-            continue
+    extra = np.zeros((len(devices), len(consumers)))
+    for t, _ in dequantized:
         for c in consumers[t]:
             cost = costs.nodes[nodes[c]]
             if cost.dtype:
