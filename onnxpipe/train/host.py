@@ -41,6 +41,7 @@ class Host:
         self._by_worker = dict(zip(self.workers, self.servers))
         #: The device's training row (empty for a stage alone on its device).
         self.device_row = self.servers[0].runner.spec.device_row
+        self._forward_row = tuple(a for a in self.device_row if a.op in _FORWARD_OPS)
         #: Whether this row's STEPs have had every hosted stage's shared gradients sent.
         self._shared = False
 
@@ -54,7 +55,7 @@ class Host:
         self._shared = False
         if not self.device_row:
             return tuple((self.servers[0], a) for a in rows[0])
-        order = self.device_row if isinstance(command, Train) else tuple(a for a in self.device_row if a.op in _FORWARD_OPS)
+        order = self.device_row if isinstance(command, Train) else self._forward_row
         return tuple((self._by_stage[a.stage], a) for a in order)
 
     def ready(self, server: StageServer, action: Action) -> bool:

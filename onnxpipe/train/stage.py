@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -95,6 +96,11 @@ class StageSpec:
 
     def shared(self) -> dict[str, tuple[int, ...]]:
         """Trained weights whose gradient is summed with other workers' copies, and all their holders."""
+        return self._shared
+
+    @cached_property
+    def _shared(self) -> dict[str, tuple[int, ...]]:
+        # Read at every STEP (`sends`): worked out once per spec.
         return {p: h for p in self.graphs.trained if len(h := self.holders(p)) > 1}
 
     def sends(self, action: Action) -> tuple[tuple[int, str, str], ...]:
