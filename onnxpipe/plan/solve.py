@@ -126,9 +126,9 @@ def solve(
     if coarsened and start is not None and not deadline.passed():
         found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, deadline, _REFINE_CP_SHARE * deadline.seconds, report))
     nodes, proof = blocks, result
-    if coarsened and not restricted and problem.n <= _PROVE_LEVEL and not deadline.passed() and _choose(problem, found) is not None:
+    if coarsened and not restricted and problem.n <= _PROVE_LEVEL and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
-        proof = _prove(problem, nodes, _choose(problem, found), stages, recompute, replicas, bound.seconds, deadline, report)  # type: ignore[arg-type]
+        proof = _prove(problem, nodes, least, stages, recompute, replicas, bound.seconds, deadline, report)
         if proof.layout is not None:
             found.append(evaluate(problem, to_assignment(problem, nodes, proof.layout), replicas=replicas, bounds=bounds))
     best = _choose(problem, found, by_iteration)
