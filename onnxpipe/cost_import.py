@@ -29,6 +29,7 @@ from typing import Any
 
 from onnxpipe.cost import Costs, NodeCost, with_measurements
 from onnxpipe.cost_profile import backward_by_forward, own_names, trace_medians
+from onnxpipe.cost_trace import is_kernel, is_run
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 
@@ -76,8 +77,8 @@ def _read_json(path: Path) -> Any:
 
 def _trace_times(graph: Graph, costs: Costs, events: list[Any], path: Path, device_kind: str | None) -> Costs:
     """Median per-run kernel time per node of an onnxruntime trace; gradient nodes summed per forward node."""
-    nodes = [e for e in events if isinstance(e, dict) and e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]
-    runs = [e for e in events if isinstance(e, dict) and e.get("cat") == "Session" and e.get("name") == "model_run"]
+    nodes = [e for e in events if isinstance(e, dict) and is_kernel(e)]
+    runs = [e for e in events if isinstance(e, dict) and is_run(e)]
     if not nodes or not runs:
         raise OnnxpipeError(f"{path}: no node kernel times and model runs in this trace; profile with "
                             "SessionOptions.enable_profiling = True and run the model at least once")

@@ -16,7 +16,6 @@ Reading order: `ReorderRates` -> `probe_shape` -> `probe_model` -> `reorder_rate
 from __future__ import annotations
 
 import statistics
-from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -25,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnxpipe.cost_trace import kernels, run_starts
 from onnxpipe.graph import Graph
 
 __all__ = ["NCHWC", "ReorderRates", "probe_shape", "probe_model", "reorder_rates"]
@@ -75,14 +75,10 @@ def probe_model(shape: tuple[int, ...]) -> onnx.ModelProto:
 def reorder_rates(events: list[dict], warmup: int, nbytes: int) -> ReorderRates | None:
     """The probe's rates from its trace (`events` of warmup + measured runs; `nbytes`: its tensor's size): per
     kernel, the median over the measured runs of its time in each; None when onnxruntime reordered nothing."""
-    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
     per_run: dict[str, dict[int, float]] = {_INPUT: {}, _OUTPUT: {}}
-    for e in events:
-        op = e.get("args", {}).get("op_name", "")
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and op in per_run and starts and e["ts"] >= starts[0]:
-            run = bisect_right(starts, e["ts"]) - 1
-            if run >= warmup:
-                per_run[op][run] = per_run[op].get(run, 0.0) + e["dur"] * 1e-6
+    for k in kernels(events, run_starts(events)):
+        if k.op in per_run and k.run >= warmup:
+            per_run[k.op][k.run] = per_run[k.op].get(k.run, 0.0) + k.micros * 1e-6
     if not all(per_run.values()):
         return None
     into, out = (max(statistics.median(per_run[op].values()), 0.5e-6) for op in (_INPUT, _OUTPUT))

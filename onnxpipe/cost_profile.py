@@ -2,7 +2,7 @@
 of the device the stage will run on (one thread on the CPU; `execution_provider` picks it per device kind).
 
 Reading order: `execution_provider`, `ensure_provider` -> `Profile` -> `profile_times` -> `_feeds` -> `_profile` (session + JSON trace)
--> `trace_medians` (median per node) -> `fused_shares` (the optimized run's kernels back on the model's nodes), `nchwc_nodes`
+-> `trace_medians` (median per node) -> `kernel_fusion` (the optimized run's kernels on the model's nodes) -> `fused_shares`, `nchwc_nodes`
 -> `_training_model` (loss + GradientGraphBuilder) -> `backward_by_forward`.
 
 Graph optimizations are off so trace events keep the model's own node names; onnxruntime 1.19
@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import tempfile
-from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ from onnx import TensorProto, helper
 
 from onnxpipe.cost_formulas import op_class
 from onnxpipe.cost_layout import ReorderRates, probe_model, probe_shape, reorder_rates
+from onnxpipe.cost_trace import is_run, kernels, run_starts
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
@@ -44,8 +44,8 @@ from onnxpipe.protostream import load_weights
 from onnxpipe.units import format_bytes
 
 __all__ = [
-    "Profile", "profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "kernel_ops", "fused_shares",
-    "nchwc_nodes", "NCHWC_SUFFIX", "own_names", "backward_by_forward",
+    "Profile", "profile_times", "ensure_fits_in_memory", "execution_provider", "ensure_provider", "trace_medians", "kernel_ops", "Fusion",
+    "kernel_fusion", "fused_shares", "nchwc_nodes", "NCHWC_SUFFIX", "own_names", "backward_by_forward",
 ]
 
 #: Each device kind's own execution provider.
@@ -115,9 +115,9 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str
     with tempfile.TemporaryDirectory(prefix="onnxpipe-profile-") as tmp:
         forward = trace_medians(_profile(model, feeds, tmp, "forward", runs, warmup, provider), warmup)
         optimized = _profile(model, feeds, tmp, "inference", runs, warmup, provider, optimize=True)
-        kernels, ops = (trace_medians(optimized, warmup), kernel_ops(optimized)) if optimized else ({}, {})
-        inference = fused_shares(graph, forward, kernels, ops) if optimized else {}
-        blocked = nchwc_nodes(graph, kernels, ops) & compute if optimized else frozenset()
+        fusion = kernel_fusion(graph, trace_medians(optimized, warmup), kernel_ops(optimized)) if optimized else None
+        inference = fused_shares(graph, forward, fusion) if fusion else {}
+        blocked = nchwc_nodes(fusion) & compute if fusion else frozenset()
         shape = probe_shape(graph, blocked) if provider == CPU_PROVIDER else None
         probe = _profile(probe_model(shape), {"x": np.ones(shape, np.float32)}, tmp, "probe", runs, warmup, provider, optimize=True) if shape else []
         reorder = reorder_rates(probe, warmup, 4 * int(np.prod(shape))) if probe else None
@@ -215,22 +215,20 @@ def trace_medians(events: list[dict], warmup: int) -> dict[str, float]:
     """Each node's kernel time plus its share of the run's time outside kernels: the session spends
     3-5 us per node between kernels (measured here: 4% of a small decoder's run), far more than a
     kernel launch, and the executor's runs pay it too; it is split evenly over the run's kernels."""
-    runs = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
-    starts = [ts for ts, _ in runs]
-    kernels = [(bisect_right(starts, e["ts"]) - 1, e["name"][: -len("_kernel_time")], e["dur"]) for e in events
-               if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= starts[0]]
+    runs = sorted((e["ts"], e["dur"]) for e in events if is_run(e))
+    ran = kernels(events, [ts for ts, _ in runs])
     kernel_sum, kernel_count = [0.0] * len(runs), [0] * len(runs)
-    for run, _, dur in kernels:
-        kernel_sum[run] += dur
-        kernel_count[run] += 1
+    for k in ran:
+        kernel_sum[k.run] += k.micros
+        kernel_count[k.run] += 1
     gap = [max(0.0, d - k) / c if c else 0.0 for (_, d), k, c in zip(runs, kernel_sum, kernel_count)]
     per_run: dict[str, dict[int, float]] = {}
-    for run, node, dur in kernels:
-        if run < warmup:
+    for k in ran:
+        if k.run < warmup:
             continue
-        times = per_run.setdefault(node, {})
-        times[run] = times.get(run, 0.0) + (dur + gap[run]) * 1e-6
-    measured = len(starts) - warmup
+        times = per_run.setdefault(k.name, {})
+        times[k.run] = times.get(k.run, 0.0) + (k.micros + gap[k.run]) * 1e-6
+    measured = len(runs) - warmup
     return {
         node: max(_RESOLUTION_FLOOR, statistics.median(list(times.values()) + [0.0] * (measured - len(times))))
         for node, times in per_run.items()
@@ -239,51 +237,13 @@ def trace_medians(events: list[dict], warmup: int) -> dict[str, float]:
 
 def kernel_ops(events: list[dict]) -> dict[str, str]:
     """Each kernel's op type in a trace (`op_name`: an optimized session's fused kernel says what it became)."""
-    return {e["name"][: -len("_kernel_time")]: e.get("args", {}).get("op_name", "") for e in events
-            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")}
-
-
-def fused_shares(graph: Graph, unfused: Mapping[str, float], kernels: Mapping[str, float], ops: Mapping[str, str]) -> dict[str, float]:
-    """Seconds per compute node of an optimized run (`kernels`: its kernel times, `ops`: their op types),
-    from the unoptimized run's times of the same nodes (`unfused`).
-
-    onnxruntime names a fused kernel after one node it replaced or that node's output, now and then with
-    a suffix (`<node>/duplicated`, `<output>_nchwc`): the longest node or output name the kernel name
-    starts with, whole or before a `_` or `/`, is the kernel's node. A node without a kernel of its own
-    was fused away: into the kernel of a neighbour that changed (renamed, or another op: `Relu` -> a `Conv` with an activation,
-    `Add` -> `QLinearAdd`) where the tensor between them has no other reader, as fusions require (a
-    producer's kernel first, then a reader's; a matmul or convolution only into a kernel whose op names
-    its op, `Conv` into `QLinearConv`), else into a kernel named after none of the model's nodes
-    (`SkipLayerNormalization`, `QLinearConv`). A kernel's time is shared over its nodes, the time of the
-    kernels named after no node over the nodes left, each in proportion to its unoptimized time."""
-    fusion = _fusion(graph, kernels, ops)
-    compute = graph.compute_nodes
-    computed = set(compute)
-    members: dict[str, list[str]] = {}
-    for n, owner in fusion.group.items():
-        members.setdefault(owner, []).append(n)
-    out: dict[str, float] = {}
-    for node, seconds in fusion.anchored.items():
-        if node in computed:
-            out.update(_shared(members.get(node, [node]), seconds, unfused))
-    left = [n for n in compute if n not in fusion.anchored and n not in fusion.group]
-    for node, seconds in _shared(left, fusion.stray, unfused).items() if left else _shared(list(out), fusion.stray, out).items():
-        out[node] = out.get(node, 0.0) + seconds
-    return {n: max(_RESOLUTION_FLOOR, out.get(n, 0.0)) for n in compute}
-
-
-def nchwc_nodes(graph: Graph, kernels: Mapping[str, float], ops: Mapping[str, str]) -> frozenset[str]:
-    """The compute nodes an optimized run (`kernels`, `ops`) computed in onnxruntime's blocked NCHWc layout: those
-    whose kernel, their own or the one they were fused into (`fused_shares`' rules), carries the `_nchwc` suffix.
-    A stage file ends or starts such a run of nodes at its cut tensors, which onnxruntime reorders from and to
-    the plain layout there (`cost_layout`)."""
-    fusion = _fusion(graph, kernels, ops)
-    return frozenset(n for n, owner in fusion.group.items() if any(NCHWC_SUFFIX in k for k in fusion.kernels[owner]))
+    return {k.name: k.op for k in kernels(events, run_starts(events))}
 
 
 @dataclass(frozen=True)
-class _Fusion:
-    """An optimized run's kernels put on the model's nodes (`fused_shares`)."""
+class Fusion:
+    """An optimized run's kernels put on the model's nodes (`kernel_fusion`): read for the nodes' times
+    (`fused_shares`) and for their layout (`nchwc_nodes`)."""
 
     #: Node -> seconds of the kernels named after it; the seconds of kernels named after no node.
     anchored: dict[str, float]
@@ -293,7 +253,17 @@ class _Fusion:
     kernels: dict[str, set[str]]
 
 
-def _fusion(graph: Graph, kernels: Mapping[str, float], ops: Mapping[str, str]) -> _Fusion:
+def kernel_fusion(graph: Graph, kernels: Mapping[str, float], ops: Mapping[str, str]) -> Fusion:
+    """Which nodes an optimized run's kernels (`kernels`: their times, `ops`: their op types) computed.
+
+    onnxruntime names a fused kernel after one node it replaced or that node's output, now and then with
+    a suffix (`<node>/duplicated`, `<output>_nchwc`): the longest node or output name the kernel name
+    starts with, whole or before a `_` or `/`, is the kernel's node. A node without a kernel of its own
+    was fused away: into the kernel of a neighbour that changed (renamed, or another op: `Relu` -> a `Conv` with an activation,
+    `Add` -> `QLinearAdd`) where the tensor between them has no other reader, as fusions require (a
+    producer's kernel first, then a reader's; a matmul or convolution only into a kernel whose op names
+    its op, `Conv` into `QLinearConv`), else into a kernel named after none of the model's nodes
+    (`SkipLayerNormalization`, `QLinearConv`)."""
     compute = graph.compute_nodes
     names = {o: n for n in graph.order for o in graph.node(n).output if o} | {n: n for n in graph.order}
     anchored: dict[str, float] = {}
@@ -326,7 +296,33 @@ def _fusion(graph: Graph, kernels: Mapping[str, float], ops: Mapping[str, str]) 
         reader = _only_reader(graph, n)
         if n not in anchored and n not in group and joins(n, reader):
             group[n] = group[reader]
-    return _Fusion(anchored, stray, group, named)
+    return Fusion(anchored, stray, group, named)
+
+
+def fused_shares(graph: Graph, unfused: Mapping[str, float], fusion: Fusion) -> dict[str, float]:
+    """Seconds per compute node of an optimized run (`fusion`: its kernels on the nodes), from the unoptimized
+    run's times of the same nodes (`unfused`): a kernel's time is shared over its nodes, the time of the
+    kernels named after no node over the nodes left, each in proportion to its unoptimized time."""
+    compute = graph.compute_nodes
+    computed = set(compute)
+    members: dict[str, list[str]] = {}
+    for n, owner in fusion.group.items():
+        members.setdefault(owner, []).append(n)
+    out: dict[str, float] = {}
+    for node, seconds in fusion.anchored.items():
+        if node in computed:
+            out.update(_shared(members.get(node, [node]), seconds, unfused))
+    left = [n for n in compute if n not in fusion.anchored and n not in fusion.group]
+    for node, seconds in _shared(left, fusion.stray, unfused).items() if left else _shared(list(out), fusion.stray, out).items():
+        out[node] = out.get(node, 0.0) + seconds
+    return {n: max(_RESOLUTION_FLOOR, out.get(n, 0.0)) for n in compute}
+
+
+def nchwc_nodes(fusion: Fusion) -> frozenset[str]:
+    """The nodes an optimized run computed in onnxruntime's blocked NCHWc layout: those whose kernel, their own
+    or the one they were fused into, carries the `_nchwc` suffix. A stage file ends or starts such a run of
+    nodes at its cut tensors, which onnxruntime reorders from and to the plain layout there (`cost_layout`)."""
+    return frozenset(n for n, owner in fusion.group.items() if any(NCHWC_SUFFIX in k for k in fusion.kernels[owner]))
 
 
 def _kernel_node(kernel: str, names: Mapping[str, str]) -> str | None:

@@ -437,7 +437,7 @@ def _conv_relu_softmax() -> onnx.ModelProto:
 
 
 def test_a_fused_kernel_is_shared_over_the_nodes_it_replaced(tmp_path):
-    from onnxpipe.cost_profile import fused_shares, kernel_ops, trace_medians
+    from onnxpipe.cost_profile import fused_shares, kernel_fusion, kernel_ops, trace_medians
     from onnxpipe.ortutil import cpu_session
 
     graph = load(_conv_relu_softmax())
@@ -450,7 +450,7 @@ def test_a_fused_kernel_is_shared_over_the_nodes_it_replaced(tmp_path):
     # onnxruntime ran the convolution and its Relu as one kernel, named after one of them or its output ("r_nchwc").
     fused = [k for k in kernels if ops[k] != "Softmax" and not ops[k].startswith("Reorder")]
     assert len(fused) == 1 and ops[fused[0]] in ("Conv", "FusedConv") and fused[0].startswith(("conv", "relu", "c_", "r_")), (fused, ops)
-    shares = fused_shares(graph, {"conv": 3e-3, "relu": 1e-3, "softmax": 1e-3}, kernels, ops)
+    shares = fused_shares(graph, {"conv": 3e-3, "relu": 1e-3, "softmax": 1e-3}, kernel_fusion(graph, kernels, ops))
     # The fused kernel's time goes to both nodes (3:1 as they ran apart), the Softmax keeps its own kernel's;
     # kernels of no node (layout reorders) are shared over all in proportion, and nothing is lost.
     assert shares["conv"] == pytest.approx(3 * shares["relu"])
@@ -459,20 +459,20 @@ def test_a_fused_kernel_is_shared_over_the_nodes_it_replaced(tmp_path):
 
 
 def test_fused_shares_follow_the_fusion_rules():
-    from onnxpipe.cost_profile import fused_shares
+    from onnxpipe.cost_profile import fused_shares, kernel_fusion
 
     graph = load(_conv_relu_softmax())
     unfused = {"conv": 3e-3, "relu": 1e-3, "softmax": 2e-3}
     # Renamed with a suffix, the Conv into the Relu's kernel; the Softmax untouched.
-    shares = fused_shares(graph, unfused, {"relu_nchwc": 2e-3, "softmax": 1e-3}, {"relu_nchwc": "Conv", "softmax": "Softmax"})
+    shares = fused_shares(graph, unfused, kernel_fusion(graph, {"relu_nchwc": 2e-3, "softmax": 1e-3}, {"relu_nchwc": "Conv", "softmax": "Softmax"}))
     assert shares == pytest.approx({"conv": 1.5e-3, "relu": 0.5e-3, "softmax": 1e-3})
     # A convolution joins only a kernel whose op names its op: the Relu kept as it was takes nothing, and the
     # time of a kernel named after no node goes to the nodes left.
-    shares = fused_shares(graph, unfused, {"relu": 1e-4, "softmax": 1e-3, "QLinearConv_token_3": 4e-3}, {"relu": "Relu", "softmax": "Softmax",
-                                                                                                      "QLinearConv_token_3": "QLinearConv"})
+    shares = fused_shares(graph, unfused, kernel_fusion(graph, {"relu": 1e-4, "softmax": 1e-3, "QLinearConv_token_3": 4e-3}, {"relu": "Relu", "softmax": "Softmax",
+                                                                                                      "QLinearConv_token_3": "QLinearConv"}))
     assert shares == pytest.approx({"conv": 4e-3, "relu": 1e-4, "softmax": 1e-3})
     # Nothing of the model's: every kernel's time over every node, in proportion to its unoptimized time.
-    shares = fused_shares(graph, unfused, {"FusedThing": 6e-3}, {"FusedThing": "Fused"})
+    shares = fused_shares(graph, unfused, kernel_fusion(graph, {"FusedThing": 6e-3}, {"FusedThing": "Fused"}))
     assert shares == pytest.approx({"conv": 3e-3, "relu": 1e-3, "softmax": 2e-3})
 
 
@@ -513,14 +513,14 @@ def test_the_optimized_run_prices_inference_only(monkeypatch):
 
 
 def test_the_blocked_layout_is_read_off_the_optimized_kernels():
-    from onnxpipe.cost_profile import nchwc_nodes
+    from onnxpipe.cost_profile import kernel_fusion, nchwc_nodes
 
     graph = load(_conv_relu_softmax())
     # The Relu fused into the convolution's blocked kernel: both ran blocked; the Softmax, a plain kernel, did not.
-    assert nchwc_nodes(graph, {"r_nchwc": 2e-3, "softmax": 1e-3}, {"r_nchwc": "Conv", "softmax": "Softmax"}) == {"conv", "relu"}
+    assert nchwc_nodes(kernel_fusion(graph, {"r_nchwc": 2e-3, "softmax": 1e-3}, {"r_nchwc": "Conv", "softmax": "Softmax"})) == {"conv", "relu"}
     # The same fusion in the plain layout, and a blocked kernel named after no node: nothing ran blocked.
-    assert nchwc_nodes(graph, {"relu": 2e-3, "softmax": 1e-3}, {"relu": "FusedConv", "softmax": "Softmax"}) == set()
-    assert nchwc_nodes(graph, {"Conv_token_1_nchwc": 2e-3}, {"Conv_token_1_nchwc": "Conv"}) == set()
+    assert nchwc_nodes(kernel_fusion(graph, {"relu": 2e-3, "softmax": 1e-3}, {"relu": "FusedConv", "softmax": "Softmax"})) == set()
+    assert nchwc_nodes(kernel_fusion(graph, {"Conv_token_1_nchwc": 2e-3}, {"Conv_token_1_nchwc": "Conv"})) == set()
 
 
 def test_the_reorder_probe_measures_both_reorders_here(tmp_path):
