@@ -2,6 +2,13 @@
 are live, so the solvers see hundreds of blocks instead of thousands of nodes; `refine` splits them
 again around a plan's stage cuts, so a second solve can place those cuts between single nodes.
 
+Among the gaps of least live bytes in a window, a block ends at the one that leaves the most enclosing
+modules (`scopes.boundary_depths`: the exporter's module paths or the nodes' names). Why: on a stack of
+repeated layers several gaps carry equally few bytes (the residual stream alone, before each sublayer), and
+the first of them was an accident of the window; the layer's end makes coarse stages hold whole layers, as a
+user reads the model. It never costs bytes (a module boundary wins only among gaps that carry equally few),
+and refinement still moves every cut node by node, so no plan the blocks miss is lost for that reason.
+
 Rounding a cut of the node-level problem that falls inside a block to that block's nearer boundary
 (by work) moves at most `rounding_seconds` of work onto a stage: what coarsening can cost in compute
 (boundary traffic aside).
@@ -13,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxpipe.plan.scopes import boundary_depths
 from onnxpipe.pricing.problem import Problem
 
 __all__ = ["Blocks", "coarsen", "refine", "live_bytes"]
@@ -67,7 +75,8 @@ def live_bytes(problem: Problem) -> np.ndarray:
 
 
 def coarsen(problem: Problem, max_blocks: int) -> Blocks:
-    """Blocks of about equal work, each ending at the gap of least live bytes in its window."""
+    """Blocks of about equal work, each ending at the gap of least live bytes in its window (of those, the one
+    of shallowest module boundary, then the first)."""
     n = problem.n
     if n <= max_blocks:
         starts = np.arange(n + 1)
@@ -75,6 +84,7 @@ def coarsen(problem: Problem, max_blocks: int) -> Blocks:
         work = (problem.forward + problem.backward).mean(axis=0)
         cumulative = np.concatenate([[0.0], np.cumsum(work)])
         live = live_bytes(problem)
+        depth = boundary_depths(problem.graph, problem.nodes)
         target = cumulative[-1] / max_blocks
         cuts = [0]
         while True:
@@ -84,7 +94,8 @@ def coarsen(problem: Problem, max_blocks: int) -> Blocks:
             if hi >= n:
                 break
             window = live[lo : hi + 1]
-            cuts.append(lo + int(np.argmin(window)))
+            least = np.flatnonzero(window <= window.min())
+            cuts.append(lo + int(least[np.argmin(depth[lo + least])]))
         cuts.append(n)
         starts = np.array(cuts)
     return _blocks(problem, starts)
