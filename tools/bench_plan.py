@@ -372,7 +372,7 @@ def main() -> None:
         rows = run_exports(chosen)
         for r in rows:  # each chunk's load beside its rows: a rerun of some exports keeps the others' rows and loads
             r["load"] = (start, os.getloadavg()[0])
-        rows = merge_rows(EXPORTS_ROWS, rows, _model, _in_order(EXPORTS))
+        rows = merge_rows(EXPORTS_ROWS, rows, _model, _in_order(tuple(EXPORTS)))
         text = report_exports(rows, (start, os.getloadavg()[0]))
         print(text)
         write_section(EXPORTS_SECTION, text)
