@@ -25,12 +25,16 @@ and the message arrives its latency (the wake-up) later; a RECV whose message ha
 recv_overhead + bytes / recv_bandwidth on a core before the worker's next action. On a target whose host model has `cores`, the F and B of its cpu
 devices run on that many cores (less what `background` work takes): a worker that becomes
 runnable takes a free core or waits for one, as the OS assigns them (`_Cores`); with the host's
-`time_slice` (measured), a worker that computes through a slice while others wait goes to the back
-of the queue and the first waiting takes its core (round robin), else it keeps the core until it
+`wake_affine` (measured), a worker woken by a message while every core is busy queues on its waker's core
+and takes it first, and a core that falls idle pulls a waiting worker from the others; with the host's
+`time_slice` (measured), a worker that computes through a slice while others wait for its core goes to the
+back of the queue and the first waiting takes its core (round robin), else it keeps the core until it
 blocks. An action's event spans its wall time, waits between its slices included. With the host's
 `switch_cost` (measured), a worker that gets a core another worker held last does that much more work
-(its caches refill). While two or more
-workers compute at once and their working sets (static memory plus one micro-batch's stash each)
+(its caches refill); where the workers' working sets (static memory, one micro-batch's stash and the
+messages in and out of it, each) together overflow the host's `shared_cache`, the others have evicted its
+whole working set, which it reads back at the host's `switch_bandwidth` (measured) instead. While two or more
+workers compute at once and their working sets
 together overflow the host's `shared_cache`, each action runs slower by its stage's
 `corun_slowdown` (the stage cost's, from the host's `corun_bandwidth`: its weights and their gradients
 come from memory, fought over; measured, tools/measure_cpu.py). `cores` is measured with workers
@@ -253,19 +257,24 @@ class _Cores:
     when it becomes runnable until it blocks (waits for a transfer that has not arrived, or for the other
     holders at STEP, or has finished its row), not only while it computes (sends, receives and their
     bookkeeping take the processor too). A worker that needs a core to compute while ceil(available) are
-    held waits, first come first served, until one is released; the holders share the available cores
-    (min(1, available / holders) each). With the host's `time_slice` (measured: the scheduler preempts
-    a busy process after it while others are runnable), holding runs in slices from when the worker got
-    its core: at the end of a slice during which workers wait, a computing holder goes to the back of
-    the queue with the rest of its action and the first waiting worker takes the core (round robin; the
-    action's event spans it all, waits included, as the executor times it). Without it, a holder keeps its
-    core until it blocks (the OS for actions shorter than its slices). Cores have identities: a worker
-    takes the free core it held last, else one nobody has held, else the first free one; when another
-    worker held that core last, its action gets the host's `switch_cost` of extra work (caches and TLB
-    refill). While other workers compute too
-    and the computing workers' working sets (static memory plus one micro-batch's stash each) overflow
-    the host's `shared_cache`, a worker's action runs 1 + its stage's `corun_slowdown` times slower
-    (their weights come from memory, fought over).
+    held waits until one is released: in the host's queue, first come first served, or, with the host's
+    `wake_affine` (measured: the OS puts a worker woken while every core is busy on its waker's core, where
+    it runs first), in the queue of its waker's core, taking that core at once and putting its holder first
+    in that queue. A released core goes to the first in its own queue, else the first in the host's queue,
+    else the first in the longest other core's queue (an idle core pulls work). The holders share the
+    available cores (min(1, available / holders) each). With the host's `time_slice` (measured: the scheduler
+    preempts a busy process after it while others are runnable), holding runs in slices from when the worker
+    got its core: at the end of a slice during which workers wait for that core (in its queue, else in the
+    host's), a computing holder goes to the back of that queue with the rest of its action and the first
+    waiting takes the core (round robin; the action's event spans it all, waits included, as the executor
+    times it). Without it, a holder keeps its core until it blocks (the OS for actions shorter than its
+    slices). Cores have identities: a worker takes the free core it held last, else one nobody has held, else
+    the first free one; when another worker held that core last, its action gets the host's `switch_cost` of
+    extra work (caches and TLB refill), or, where the workers' working sets (static memory, one micro-batch's
+    stash, its messages in and out) together overflow the host's `shared_cache`, its working set / the host's
+    `switch_bandwidth` (the others evicted it; it comes back from memory). While other workers compute too
+    and the computing workers' working sets overflow the host's `shared_cache`, a worker's action runs
+    1 + its stage's `corun_slowdown` times slower (their weights come from memory, fought over).
 
     Other work (`background` runnable processes) takes whole cores while it leaves some, as measured:
     with one busy process beside two workers on two cores, the workers take turns on the other core.
@@ -276,26 +285,49 @@ class _Cores:
         self.cores = max(host.cores - background, host.cores / (1 + background))
         self._cache = host.shared_cache
         self._slice = host.time_slice
-        self._switch = host.switch_cost
+        self._affine = host.wake_affine
         self._slots = max(1, math.ceil(self.cores - 1e-9))
         #: Per core: the worker that held it last (None: nobody yet); per holder: its core.
         self._last: list[int | None] = [None] * self._slots
         self._core: dict[int, int] = {}
         #: Per worker (stage-major): whether it computes on the shared cores.
         self.shared = tuple(target.device(d).kind == "cpu" for _, d in workers)
-        #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching.
+        #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching (its working set).
         self._corun = tuple(c.corun_slowdown for c, _ in workers)
-        self._working = tuple(c.memory.static + c.stash for c, _ in workers)
-        #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action].
+        self._working = tuple(c.memory.static + c.stash + c.in_bytes + c.out_bytes for c, _ in workers)
+        #: Per worker: the CPU it spends taking a core another worker held last: `switch_cost`, or, where the
+        #: workers' working sets together overflow the shared cache (the others evicted its own), refilling its
+        #: working set at `switch_bandwidth`.
+        spill = host.switch_bandwidth > 0 and sum(b for b, cpu in zip(self._working, self.shared) if cpu) > self._cache
+        self._switch = tuple(b / host.switch_bandwidth if spill else host.switch_cost for b in self._working)
+        #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action] (a holder's, or a
+        #: queued worker's: None for one that has no action yet).
         self.active: dict[int, list[Any]] = {}
         #: Workers holding a core (computing or not) -> when they got it.
         self._holding: dict[int, float] = {}
-        #: Runnable workers waiting for a core, in arrival order, with their action (start None until it first runs).
-        self._waiting: list[tuple[int, list[Any]]] = []
+        #: Runnable workers waiting for a core, in arrival order, with their action (start None until it first
+        #: runs; the whole entry None for a holder put back by a woken worker between two of its actions): the
+        #: host's queue, and each core's own (`wake_affine`).
+        self._waiting: list[tuple[int, list[Any] | None]] = []
+        self._queues: list[list[tuple[int, list[Any] | None]]] = [[] for _ in range(self._slots)]
 
-    def start(self, now: float, worker: int, work: float, op: str, microbatch: int) -> None:
+    def start(self, now: float, worker: int, work: float, op: str, microbatch: int, waker: int | None = None) -> None:
+        """The worker runs an action of `work` seconds; `waker`: the worker whose message woke it, if one did."""
+        job = [work, op, microbatch, now]
         if worker in self._holding:
-            self.active[worker] = [work, op, microbatch, now]
+            self.active[worker] = job
+            return
+        for queue in (self._waiting, *self._queues):
+            at = next((i for i, (w, _) in enumerate(queue) if w == worker), None)
+            if at is not None:  # put back between two of its actions: this one starts when it gets a core again
+                queue[at] = (worker, [work, op, microbatch, None])
+                return
+        host = self._core.get(waker) if waker is not None else None
+        if self._affine and host is not None and len(self._holding) == self._slots:
+            holder = next(w for w, c in self._core.items() if c == host)
+            self._queues[host].insert(0, (holder, self.active.pop(holder, None)))
+            self._drop(holder)
+            self._take(now, worker, host, [work, op, microbatch, None])
         else:
             self._waiting.append((worker, [work, op, microbatch, None]))
             self._assign(now)
@@ -305,59 +337,91 @@ class _Cores:
         if worker in self._holding and worker not in self.active:
             self._drop(worker)
             self._assign(now)
+        for queue in (self._waiting, *self._queues):
+            queue[:] = [(w, job) for w, job in queue if w != worker or job is not None]
 
     def _drop(self, worker: int) -> None:
         del self._holding[worker]
         del self._core[worker]
 
+    def _take(self, now: float, worker: int, core: int, job: list[Any] | None) -> None:
+        """The worker gets `core` at `now`, with the rest of its action (None: between actions)."""
+        cold = self._last[core] not in (None, worker)
+        self._core[worker], self._last[core] = core, worker
+        self._holding[worker] = now
+        if job is not None:
+            self.active[worker] = [job[0] + (self._switch[worker] if cold else 0.0), job[1], job[2], now if job[3] is None else job[3]]
+
     def _assign(self, now: float) -> None:
-        while self._waiting and len(self._holding) < self._slots:
-            worker, job = self._waiting.pop(0)
+        """Free cores go to their own queue's first, else the host queue's first, else the longest queue's first."""
+        while len(self._holding) < self._slots:
             free = [c for c in range(self._slots) if c not in self._core.values()]
-            core = next((c for c in free if self._last[c] == worker), next((c for c in free if self._last[c] is None), free[0]))
-            cold = self._last[core] not in (None, worker)
-            self._core[worker], self._last[core] = core, worker
-            self._holding[worker] = now
-            self.active[worker] = [job[0] + (self._switch if cold else 0.0), job[1], job[2], now if job[3] is None else job[3]]
+            own = next((c for c in free if self._queues[c]), None)
+            if own is not None:
+                worker, job = self._queues[own].pop(0)
+                self._take(now, worker, own, job)
+            elif self._waiting:
+                worker, job = self._waiting.pop(0)
+                core = next((c for c in free if self._last[c] == worker), next((c for c in free if self._last[c] is None), free[0]))
+                self._take(now, worker, core, job)
+            elif any(self._queues):
+                longest = max(range(self._slots), key=lambda c: len(self._queues[c]))
+                worker, job = self._queues[longest].pop(0)
+                self._take(now, worker, free[0], job)
+            else:
+                return
 
     def _slice_end(self, worker: int, now: float) -> float:
         """The end of the holder's slice running at `now` (the next one when one ends exactly then)."""
         got = self._holding[worker]
         return got + self._slice * (math.floor((now - got) / self._slice + 1e-9) + 1)
 
-    def _preempting(self) -> bool:
-        return bool(self._slice and self._waiting)
+    def _sliced(self) -> list[int]:
+        """Computing holders whose slice can end with someone waiting for their core."""
+        if not self._slice:
+            return []
+        return [w for w in self.active if w in self._holding and (self._queues[self._core[w]] or self._waiting)]
 
     def _rates(self) -> dict[int, float]:
-        share = min(1.0, self.cores / len(self._holding))
-        crowded = len(self.active) > 1 and sum(self._working[w] for w in self.active) > self._cache
+        share = min(1.0, self.cores / len(self._holding)) if self._holding else 0.0
+        computing = [w for w in self.active if w in self._holding]
+        crowded = len(computing) > 1 and sum(self._working[w] for w in computing) > self._cache
         # A message's CPU was measured beside a worker reading through memory: no slowdown on top.
-        return {w: share / (1 + self._corun[w]) if crowded and job[1] in ("F", "B", "W") else share for w, job in self.active.items()}
+        return {w: share / (1 + self._corun[w]) if crowded and self.active[w][1] in ("F", "B", "W") else share for w in computing}
 
     def next_time(self, now: float) -> float:
-        if not self.active:
-            return math.inf
         rates = self._rates()
-        ends = [self._slice_end(w, now) for w in self.active] if self._preempting() else []
-        return min([now + job[0] / rates[w] for w, job in self.active.items()] + ends)
+        if not rates:
+            return math.inf
+        ends = [self._slice_end(w, now) for w in self._sliced()]
+        return min([now + self.active[w][0] / rate for w, rate in rates.items()] + ends)
 
     def advance(self, now: float, later: float) -> list[tuple[int, str, int, float]]:
         """Do the work from now to later; return (worker, op, micro-batch, start) of the actions
         finished by `later` (their workers keep their cores until they block). Computing holders whose
-        slice ends by `later` give their cores to as many waiting workers."""
-        if not self.active:
-            return []
+        slice ends by `later` give their cores to the first waiting: of their core's queue, else of the
+        host's (as many as wait there)."""
         rates = self._rates()
+        if not rates:
+            return []
         # Same expressions as next_time, so the action or slice that set `later` ends exactly then.
-        done = [w for w, job in self.active.items() if now + job[0] / rates[w] <= later]
-        due = sorted((self._holding[w], w) for w in self.active if w not in done and self._preempting() and self._slice_end(w, now) <= later)
-        for w, job in self.active.items():
-            job[0] -= (later - now) * rates[w]
+        done = [w for w, rate in rates.items() if now + self.active[w][0] / rate <= later]
+        due = sorted((self._holding[w], w) for w in self._sliced() if w not in done and self._slice_end(w, now) <= later)
+        for w, rate in rates.items():
+            self.active[w][0] -= (later - now) * rate
         finished = [(w, *self.active.pop(w)[1:]) for w in done]
-        waiting = len(self._waiting)
-        for _, w in due[:waiting]:
-            self._drop(w)
-            self._waiting.append((w, self.active.pop(w)))
+        host_waiting = len(self._waiting)
+        for _, w in due:
+            core = self._core[w]
+            if self._queues[core]:
+                self._queues[core].append((w, self.active.pop(w)))
+                self._drop(w)
+                worker, job = self._queues[core].pop(0)
+                self._take(later, worker, core, job)
+            elif host_waiting:
+                host_waiting -= 1
+                self._drop(w)
+                self._waiting.append((w, self.active.pop(w)))
         self._assign(later)
         return finished
 
@@ -392,6 +456,8 @@ class _Run:
         self.blocked_on: list[_Key | None] = [None] * n
         #: Per worker: the transfer key of the SEND or RECV whose CPU it is spending (links that charge it).
         self.message: list[_Key | None] = [None] * n
+        #: Per worker: the sender whose message it has just received, until its next CPU work (the waker).
+        self.woken_by: list[int | None] = [None] * n
         #: Transfer key -> start, arrival.
         self.started: dict[_Key, float] = {}
         #: Bytes of each message sent.
@@ -489,6 +555,7 @@ class _Run:
         key = (a.op[-1], s, a.microbatch)
         if key not in self.arrived:
             return False
+        self.woken_by[w] = self.owner(s - 1 if key[0] == "F" else s + 1, a.microbatch)
         cpu = message_cpu(self.target, *self.link_of(key))
         if cpu is not None:
             self.message[w] = key
@@ -548,8 +615,9 @@ class _Run:
     def compute(self, w: int, work: float, op: str, mb: int) -> None:
         """Run `work` seconds of the worker's CPU: on the shared cores, or on its own device."""
         cores = self.shared(w)
+        waker, self.woken_by[w] = self.woken_by[w], None
         if cores:
-            cores.start(self.now, w, work, op, mb)
+            cores.start(self.now, w, work, op, mb, waker)
             self.free_at[w] = math.inf
         else:
             self.finish(w, op, mb, self.now, self.now + work)

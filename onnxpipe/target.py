@@ -184,6 +184,14 @@ class HostModel:
     #: Extra CPU seconds a cpu worker spends when it gets a shared core that another worker held last (its
     #: private caches and TLB refill; measured); 0: none.
     switch_cost: float = 0.0
+    #: Bytes/s at which a cpu worker taking a core another worker held last refills its working set (static
+    #: memory plus one micro-batch's stash) when the workers' working sets together overflow `shared_cache`
+    #: (each one's data is evicted while the others run; measured); 0: no refill beyond `switch_cost`.
+    switch_bandwidth: float = 0.0
+    #: Whether a cpu worker woken by a message while every shared core is busy joins its waker's core and
+    #: takes it first (the OS's wake-affine placement and wake-up preemption; measured); False: it waits for
+    #: the first core released.
+    wake_affine: bool = False
     #: The workers' CPU per message on each "shm" link that gives it, by the link's `between`.
     messages: Mapping[tuple[str, str], MessageCpu] = field(default_factory=dict)
 
@@ -303,6 +311,8 @@ _EXAMPLES = {
     "shared_cache": 'shared_cache = "32 MiB"',
     "time_slice": 'time_slice = "4 ms"',
     "switch_cost": 'switch_cost = "50 us"',
+    "wake_affine": "wake_affine = true",
+    "switch_bandwidth": 'switch_bandwidth = "20 GB/s"',
     "default": "default = 0.5",
     "between": 'between = ["u280", "u280"]',
     "bandwidth": 'bandwidth = "12 GB/s"',
@@ -349,7 +359,7 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 
 
 def _parse_target(doc: dict[str, Any], origin: str, source: str) -> Target:
-    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice", "switch_cost", "backends"), origin, "")
+    _ensure_keys(doc, ("name", "description", "devices"), ("profile", "links", "cores", "corun_bandwidth", "shared_cache", "time_slice", "switch_cost", "switch_bandwidth", "wake_affine", "backends"), origin, "")
     name = _ensure_str(doc, "name", origin, "")
     description = _ensure_str(doc, "description", origin, "")
     profile = doc.get("profile", False)
@@ -409,9 +419,17 @@ def _parse_host(doc: dict[str, Any], devices: list[Device], messages: dict[tuple
     if "switch_cost" in doc and not cores:
         _fail(origin, "switch_cost", "only workers sharing `cores` take each other's cores; add cores or remove it")
     switch_cost = _ensure_quantity(doc, "switch_cost", "time", origin, "", allow_zero=True) if "switch_cost" in doc else 0.0
+    if "switch_bandwidth" in doc and "shared_cache" not in doc:
+        _fail(origin, "switch_bandwidth", f"refills only what overflows the shared cache; add e.g. {_EXAMPLES['shared_cache']} or remove it")
+    switch_bandwidth = _ensure_quantity(doc, "switch_bandwidth", "bandwidth", origin, "") if "switch_bandwidth" in doc else 0.0
+    wake_affine = doc.get("wake_affine", False)
+    if not isinstance(wake_affine, bool):
+        _fail(origin, "wake_affine", f"expected true or false, got {wake_affine!r}")
+    if wake_affine and not cores:
+        _fail(origin, "wake_affine", "only workers sharing `cores` queue on each other's cores; add cores or remove it")
     if not cores and not messages:
         return None
-    return HostModel(cores=float(cores), time_slice=time_slice, switch_cost=switch_cost, messages=messages, **corun)
+    return HostModel(cores=float(cores), time_slice=time_slice, switch_cost=switch_cost, switch_bandwidth=switch_bandwidth, wake_affine=wake_affine, messages=messages, **corun)
 
 
 def _ensure_corun(doc: dict[str, Any], shared: bool, origin: str) -> dict[str, float]:

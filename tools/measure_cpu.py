@@ -10,10 +10,12 @@ cache, nodes lose time in proportion to the weight bytes they read), the time sl
 busy process while more are runnable than cores (`time_slice`), the CPU a worker loses each time it gets a core
 back after other workers ran (`switch_cost`: its caches and TLB refill), and the CPU a worker spends per message it
 sends and receives through `ShmTransport` by message bytes (the shm link's `send_overhead`, `send_bandwidth`,
-`recv_overhead`).
+`recv_overhead`), the rate at which a worker refills its working set after a switch when the workers' working sets
+overflow the shared cache together (`switch_bandwidth`), and where the OS runs a worker woken by a message while
+every vCPU is busy (`wake_affine`).
 
-Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun|slice|switch|messages]   (a part alone: `gradient_bandwidth`;
-the co-run slowdowns and `cores`; `time_slice`; `switch_cost`; the CPU per message)
+Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun|slice|switch|messages|wake]   (a part alone: `gradient_bandwidth`;
+the co-run slowdowns and `cores`; `time_slice`; `switch_cost` and `switch_bandwidth`; the CPU per message; `wake_affine`)
 """
 
 from __future__ import annotations
@@ -608,16 +610,100 @@ def switch_seconds(chain: tuple[str, int, int, int], processes: int, tokens: int
 
 def report_switches() -> None:
     """Print the switch-in cost for cpu4's case (4 workers, 2 computing at once), for one at a time, and for
-    cpu2's (2 workers taking turns)."""
+    cpu2's (2 workers taking turns); then `switch_bandwidth`: a worker of the chain whose 4 working sets overflow
+    the shared cache together reads its whole working set back from memory at each switch-in."""
+    excess = {}
     for chain in SWITCH_CHAINS:
         op, rows, width, nodes = chain
         for processes, tokens in ((4, 2), (2, 2), (4, 1), (2, 1)):
-            alone, excess = switch_seconds(chain, processes, tokens)
+            alone, excess[chain, processes, tokens] = switch_seconds(chain, processes, tokens)
             print(f"switch-in, {op} chain {nodes} x [{rows},{width}] ({working_set(*chain) / 2**20:.1f} MiB), {processes} workers, "
-                  f"{tokens} at once: turn {alone * 1e3:.2f} ms CPU back to back, {excess * 1e6:+.0f} us when taking turns (switch_cost)")
+                  f"{tokens} at once: turn {alone * 1e3:.2f} ms CPU back to back, {excess[chain, processes, tokens] * 1e6:+.0f} us when taking turns (switch_cost)")
+    for chain in (c for c in SWITCH_CHAINS if 4 * working_set(*c) > SHARED_CACHE):
+        for tokens in (2, 1):
+            refill = excess[chain, 4, tokens]
+            rate = f"{working_set(*chain) / refill / 1e9:.1f} GB/s" if refill > 0 else "no refill"
+            print(f"4 workers x {working_set(*chain) / 2**20:.1f} MiB overflowing the {SHARED_CACHE / 2**20:.0f} MiB shared cache, {tokens} at once: "
+                  f"{refill * 1e6:+.0f} us per switch-in: its working set read back at {rate} (switch_bandwidth)")
 
 
-PARTS = ("all", "gradients", "corun", "slice", "switch", "messages")
+def _vcpu() -> int:
+    """The vCPU this thread runs on (/proc: os.sched_getcpu needs Python 3.12)."""
+    return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+
+
+def _waker(out: Connection, conn: Connection, seconds: float, every: float, gap: float) -> None:
+    """Spin on the clock for `seconds`; every `every` seconds write a byte to `out` (waking its reader, as a
+    ShmTransport send does). Send back per wake-up (vCPU at the write, seconds from the write until this
+    process next lost its vCPU, or inf when it did not within `every` / 2)."""
+    conn.recv()
+    wakes = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        next_write = time.perf_counter() + every
+        while time.perf_counter() < next_write:
+            pass
+        cpu, sent = _vcpu(), time.perf_counter()
+        out.send_bytes(b"x")
+        last = sent
+        lost = math.inf
+        while (now := time.perf_counter()) < sent + every / 2:
+            if now - last > gap:
+                lost = last - sent
+                break
+            last = now
+        wakes.append((cpu, lost))
+    out.send_bytes(b"stop")
+    conn.send(wakes)
+
+
+def _wakee(inbox: Connection, conn: Connection, work: float) -> None:
+    """Block on `inbox`; at each byte, note the vCPU this process woke on, then compute for `work` seconds."""
+    cpus = []
+    while inbox.recv_bytes() != b"stop":
+        cpus.append(_vcpu())
+        end = time.perf_counter() + work
+        while time.perf_counter() < end:
+            pass
+    conn.send(cpus)
+
+
+def wake_placement(seconds: float = 3.0, every: float = 5e-3, work: float = 1e-3, gap: float = 50e-6) -> tuple[float, float, int]:
+    """Where the OS runs a worker woken by a message while every vCPU is busy: one busy process per vCPU, one of
+    them writing to a pipe that a third process blocks on (the executor's wake-up: ShmTransport signals over a
+    pipe). (share of wake-ups on the writer's vCPU, share of writes after which the writer lost its vCPU within
+    200 us: the woken reader ran first there, wake-ups)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    inbox, out = ctx.Pipe(duplex=False)
+    pipes = [ctx.Pipe() for _ in range(3)]
+    procs = [ctx.Process(target=_waker, args=(out, pipes[0][1], seconds, every, gap)),
+             ctx.Process(target=_spin, args=(pipes[1][1], seconds, gap)),
+             ctx.Process(target=_wakee, args=(inbox, pipes[2][1], work))]
+    for proc in procs:
+        proc.start()
+    time.sleep(1.0)  # all started and waiting
+    pipes[0][0].send(1)
+    pipes[1][0].send(1)
+    wakes, _, cpus = (ours.recv() for ours, _ in pipes)
+    for proc in procs:
+        proc.join()
+    pairs = list(zip(wakes, cpus))
+    same = sum(cpu == woke for (cpu, _), woke in pairs) / len(pairs)
+    preempted = sum(lost < 200e-6 for (_, lost), _ in pairs) / len(pairs)
+    return same, preempted, len(pairs)
+
+
+def report_wakes() -> None:
+    """Print where woken workers run while every vCPU is busy (`wake_affine`)."""
+    for _ in range(3):
+        same, preempted, count = wake_placement()
+        print(f"wake-ups while {os.cpu_count()} busy processes hold the {os.cpu_count()} vCPUs: {count}, {same:.0%} on the writer's vCPU, "
+              f"the writer preempted within 200 us after {preempted:.0%} of its writes (wake_affine)")
+
+
+PARTS = ("all", "gradients", "corun", "slice", "switch", "messages", "wake")
 
 
 def main() -> None:
@@ -651,6 +737,8 @@ def main() -> None:
         report_switches()
     if part in ("all", "messages"):
         report_messages()
+    if part in ("all", "wake"):
+        report_wakes()
     if part == "all":
         for k in (2, 4):
             action, step, hop = pipeline_overheads(k)
