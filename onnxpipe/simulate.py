@@ -33,7 +33,8 @@ blocks. An action's event spans its wall time, waits between its slices included
 `switch_cost` (measured), a worker that gets a core another worker held last does that much more work
 (its caches refill); where the workers' working sets (static memory, one micro-batch's stash and the
 messages in and out of it, each) together overflow the host's `shared_cache`, the others have evicted its
-whole working set, which it reads back at the host's `switch_bandwidth` (measured) instead. While two or more
+working set: the rest of its action runs slower by its whole working set's read-back at the host's
+`switch_bandwidth` (measured) spread over the whole action (it reads back what the rest touches), instead. While two or more
 workers compute at once and their working sets
 together overflow the host's `shared_cache`, each action runs slower by its stage's
 `corun_slowdown` (the stage cost's, from the host's `corun_bandwidth`: its weights and their gradients
@@ -269,10 +270,12 @@ class _Cores:
     waiting takes the core (round robin; the action's event spans it all, waits included, as the executor
     times it). Without it, a holder keeps its core until it blocks (the OS for actions shorter than its
     slices). Cores have identities: a worker takes the free core it held last, else one nobody has held, else
-    the first free one; when another worker held that core last, its action gets the host's `switch_cost` of
-    extra work (caches and TLB refill), or, where the workers' working sets (static memory, one micro-batch's
-    stash, its messages in and out) together overflow the host's `shared_cache`, its working set / the host's
-    `switch_bandwidth` (the others evicted it; it comes back from memory). While other workers compute too
+    the first free one; when another worker held that core last, its action (or its next, when it got the
+    core between two) gets the host's `switch_cost` of extra work (caches and TLB refill), or, where the
+    workers' working sets (static memory, one micro-batch's stash, its messages in and out) together overflow
+    the host's `shared_cache`, the rest of the action runs 1 + (working set / the host's `switch_bandwidth`) /
+    (the whole action's work) times slower (the others evicted it; what the rest touches comes back from
+    memory). While other workers compute too
     and the computing workers' working sets overflow the host's `shared_cache`, a worker's action runs
     1 + its stage's `corun_slowdown` times slower (their weights come from memory, fought over).
 
@@ -295,14 +298,17 @@ class _Cores:
         #: Per worker: its stage's slowdown beside others, and the bytes it keeps touching (its working set).
         self._corun = tuple(c.corun_slowdown for c, _ in workers)
         self._working = tuple(c.memory.static + c.stash + c.in_bytes + c.out_bytes for c, _ in workers)
-        #: Per worker: the CPU it spends taking a core another worker held last: `switch_cost`, or, where the
-        #: workers' working sets together overflow the shared cache (the others evicted its own), refilling its
-        #: working set at `switch_bandwidth`.
-        spill = host.switch_bandwidth > 0 and sum(b for b, cpu in zip(self._working, self.shared) if cpu) > self._cache
-        self._switch = tuple(b / host.switch_bandwidth if spill else host.switch_cost for b in self._working)
-        #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action] (a holder's, or a
-        #: queued worker's: None for one that has no action yet).
+        #: Whether the workers' working sets together overflow the shared cache: a worker switched in then reads
+        #: back, at `switch_bandwidth`, what its action has yet to touch (the others evicted it); else it pays
+        #: `switch_cost`. Per worker: seconds to read back its whole working set.
+        self._spill = host.switch_bandwidth > 0 and sum(b for b, cpu in zip(self._working, self.shared) if cpu) > self._cache
+        self._refill = tuple(b / host.switch_bandwidth if self._spill else 0.0 for b in self._working)
+        self._switch = host.switch_cost
+        #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action, seconds of the whole
+        #: action, slowdown of the rest of it] (a holder's, or a queued worker's: None for one that has no action yet).
         self.active: dict[int, list[Any]] = {}
+        #: Holders that got their core cold between two actions: their next action pays the switch-in.
+        self._cold: set[int] = set()
         #: Workers holding a core (computing or not) -> when they got it.
         self._holding: dict[int, float] = {}
         #: Runnable workers waiting for a core, in arrival order, with their action (start None until it first
@@ -313,29 +319,32 @@ class _Cores:
 
     def start(self, now: float, worker: int, work: float, op: str, microbatch: int, waker: int | None = None) -> None:
         """The worker runs an action of `work` seconds; `waker`: the worker whose message woke it, if one did."""
-        job = [work, op, microbatch, now]
         if worker in self._holding:
-            self.active[worker] = job
+            self.active[worker] = [work, op, microbatch, now, work, 1.0]
+            if worker in self._cold:
+                self._cold.discard(worker)
+                self._switch_in(worker, self.active[worker])
             return
         for queue in (self._waiting, *self._queues):
             at = next((i for i, (w, _) in enumerate(queue) if w == worker), None)
             if at is not None:  # put back between two of its actions: this one starts when it gets a core again
-                queue[at] = (worker, [work, op, microbatch, None])
+                queue[at] = (worker, [work, op, microbatch, None, work, 1.0])
                 return
         host = self._core.get(waker) if waker is not None else None
         if self._affine and host is not None and len(self._holding) == self._slots:
             holder = next(w for w, c in self._core.items() if c == host)
             self._queues[host].insert(0, (holder, self.active.pop(holder, None)))
             self._drop(holder)
-            self._take(now, worker, host, [work, op, microbatch, None])
+            self._take(now, worker, host, [work, op, microbatch, None, work, 1.0])
         else:
-            self._waiting.append((worker, [work, op, microbatch, None]))
+            self._waiting.append((worker, [work, op, microbatch, None, work, 1.0]))
             self._assign(now)
 
     def release(self, now: float, worker: int) -> None:
         """The worker blocks: its core goes to the next one waiting."""
         if worker in self._holding and worker not in self.active:
             self._drop(worker)
+            self._cold.discard(worker)
             self._assign(now)
         for queue in (self._waiting, *self._queues):
             queue[:] = [(w, job) for w, job in queue if w != worker or job is not None]
@@ -349,8 +358,23 @@ class _Cores:
         cold = self._last[core] not in (None, worker)
         self._core[worker], self._last[core] = core, worker
         self._holding[worker] = now
-        if job is not None:
-            self.active[worker] = [job[0] + (self._switch[worker] if cold else 0.0), job[1], job[2], now if job[3] is None else job[3]]
+        self._cold.discard(worker)
+        if job is None:
+            if cold:
+                self._cold.add(worker)
+            return
+        self.active[worker] = [*job[:3], now if job[3] is None else job[3], *job[4:]]
+        if cold:
+            self._switch_in(worker, self.active[worker])
+
+    def _switch_in(self, worker: int, job: list[Any]) -> None:
+        """The worker's action continues on a core another worker held last: `switch_cost` more work, or, where the
+        working sets overflow the shared cache, the rest of the action runs slower by the share of the working set it
+        reads back (its whole working set's refill seconds spread over the whole action: progress in any slice)."""
+        if self._spill:
+            job[5] = 1.0 + self._refill[worker] / job[4] if job[4] > 0 else 1.0
+        else:
+            job[0] += self._switch
 
     def _assign(self, now: float) -> None:
         """Free cores go to their own queue's first, else the host queue's first, else the longest queue's first."""
@@ -387,7 +411,7 @@ class _Cores:
         computing = [w for w in self.active if w in self._holding]
         crowded = len(computing) > 1 and sum(self._working[w] for w in computing) > self._cache
         # A message's CPU was measured beside a worker reading through memory: no slowdown on top.
-        return {w: share / (1 + self._corun[w]) if crowded and self.active[w][1] in ("F", "B", "W") else share for w in computing}
+        return {w: (share / (1 + self._corun[w]) if crowded and self.active[w][1] in ("F", "B", "W") else share) / self.active[w][5] for w in computing}
 
     def next_time(self, now: float) -> float:
         rates = self._rates()
@@ -409,7 +433,7 @@ class _Cores:
         due = sorted((self._holding[w], w) for w in self._sliced() if w not in done and self._slice_end(w, now) <= later)
         for w, rate in rates.items():
             self.active[w][0] -= (later - now) * rate
-        finished = [(w, *self.active.pop(w)[1:]) for w in done]
+        finished = [(w, *self.active.pop(w)[1:4]) for w in done]
         host_waiting = len(self._waiting)
         for _, w in due:
             core = self._core[w]

@@ -495,6 +495,76 @@ def test_workers_that_keep_their_own_cores_pay_no_switch_cost() -> None:
     assert one.iteration_seconds == pytest.approx(9.0)
 
 
+def test_a_worker_woken_while_every_core_is_busy_takes_its_wakers_core() -> None:
+    # One core, gpipe, 2 stages, 2 micro-batches, F 1 s: stage 0 holds the core through F0 and F1 (1-2 s).
+    # With wake_affine, stage 1, woken by mb 0 at 1 s, takes the core at once: its F0 runs 1-2 s and stage 0's
+    # F1, put back first in the core's queue, resumes when stage 1 blocks (2-3 s; its event spans 1-3 s).
+    base = make_target(2)
+    cpus = on_cpus(base, cores=1)
+    plan = make_plan(2, 2, schedule="gpipe", forward=1.0, backward=0.0)
+
+    def timeline(target: Target) -> list[tuple[int, int, float, float]]:
+        return sorted((e.stage, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events if e.kind == "F")
+
+    assert timeline(cpus) == [(0, 0, 0.0, 1.0), (0, 1, 1.0, 2.0), (1, 0, 2.0, 3.0), (1, 1, 3.0, 4.0)]
+    assert timeline(host(cpus, wake_affine=True)) == [(0, 0, 0.0, 1.0), (0, 1, 1.0, 3.0), (1, 0, 1.0, 2.0), (1, 1, 3.0, 4.0)]
+    # A core for each worker: nobody waits, so the placement changes nothing.
+    assert timeline(host(cpus, cores=2, wake_affine=True)) == timeline(host(cpus, cores=2))
+
+
+def test_an_idle_core_pulls_a_worker_waiting_on_another() -> None:
+    # Two cores, gpipe, 3 stages, 3 micro-batches, F 1 s on stage 0, 1.5 s on stage 1, 1 s on stage 2. Stage 0
+    # holds core 0 from 0 s; stage 1 takes core 1 at 1 s. At 2.5 s stage 1 sends mb 0 and starts F1; stage 2,
+    # woken, takes its waker's core 1 (wake_affine) and stage 1 waits in that core's queue. At 3 s stage 0 has
+    # sent its three forwards and blocks: idle core 0 pulls stage 1, whose F1 ends at 3 + 1.5 s. Without
+    # wake_affine stage 2 waits for the first core released instead (core 0 at 3 s).
+    base = make_target(3)
+    cpus = on_cpus(base, cores=2)
+    plan = make_plan(3, 3, schedule="gpipe", forward=1.0, backward=0.0)
+    plan = replace(plan, stages=tuple(replace(s, forward_seconds=f) for s, f in zip(plan.stages, (1.0, 1.5, 1.0))))
+
+    def firsts(target: Target) -> list[tuple[int, int, float, float]]:
+        return sorted((e.stage, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in simulate(plan, target).events
+                      if e.kind == "F" and (e.stage, e.microbatch) in ((1, 1), (2, 0)))
+
+    assert firsts(host(cpus, wake_affine=True)) == [(1, 1, 2.5, 4.5), (2, 0, 2.5, 3.5)]
+    assert firsts(cpus) == [(1, 1, 2.5, 4.0), (2, 0, 3.0, 4.0)]
+
+
+def test_a_switch_refills_the_working_set_when_the_working_sets_overflow_the_shared_cache() -> None:
+    # One stage on three replicas (one micro-batch each, F 3 s, 100 bytes of stash: the stage's 3 in flight
+    # hold 100 bytes, one on each replica), one core, switch_cost 0.5 s: each later replica takes the core
+    # another held last. Working sets of 3 x 100 bytes overflow a 250-byte shared cache: each switch-in reads
+    # its 100 bytes back at 100 B/s (1 s, spread over its 3 s action) in place of switch_cost.
+    base = make_target(3)
+    cpus = on_cpus(base, cores=1, switch_cost=0.5, switch_bandwidth=100.0)
+    plan = make_plan(1, 3, schedule="gpipe", forward=1.0, backward=0.0, stash=100.0 / 3, devices=(("acc_0", "acc_1", "acc_2"),))
+
+    assert forwards(plan, host(cpus, shared_cache=250.0)) == [(0, 0.0, 3.0), (1, 3.0, 7.0), (2, 7.0, 11.0)]
+    # Fitting the shared cache together: the measured switch_cost alone.
+    assert forwards(plan, host(cpus, shared_cache=300.0)) == [(0, 0.0, 3.0), (1, 3.0, 6.5), (2, 6.5, 10.0)]
+    # A larger working set takes longer to read back: 200 bytes of stash, 2 s per switch-in.
+    bigger = make_plan(1, 3, schedule="gpipe", forward=1.0, backward=0.0, stash=200.0 / 3, devices=(("acc_0", "acc_1", "acc_2"),))
+    assert forwards(bigger, host(cpus, shared_cache=250.0)) == [(0, 0.0, 3.0), (1, 3.0, 8.0), (2, 8.0, 13.0)]
+    # As many cores as workers: each keeps its own, nothing to refill.
+    assert forwards(plan, host(cpus, cores=3, shared_cache=250.0)) == [(0, 0.0, 3.0), (1, 0.0, 3.0), (2, 0.0, 3.0)]
+
+
+def test_a_worker_switched_in_mid_action_reads_back_what_the_rest_of_it_touches() -> None:
+    # One stage on two replicas (F 2 s, 100 bytes of working set each), one core, 1 s slices: working sets of
+    # 2 x 100 bytes overflow a 150-byte shared cache, and refilling one takes 1 s at 100 B/s. A worker switched
+    # in runs the rest of its action 1 + 1 s / 2 s times slower (the refill spread over the action), however
+    # often it is switched in: replica 0 runs 0-1 s warm (1 s left), replica 1 1-2 s (4/3 s left), replica 0
+    # 2-3 s (1/3 s left), replica 1 3-4 s (2/3 s left), replica 0 ends at 4.5 s, replica 1 at 5.5 s.
+    base = make_target(2)
+    cpus = on_cpus(base, cores=1, switch_cost=0.5, switch_bandwidth=100.0, time_slice=1.0)
+    plan = make_plan(1, 2, schedule="gpipe", forward=1.0, backward=0.0, stash=100.0 / 2, devices=(("acc_0", "acc_1"),))
+
+    assert forwards(plan, host(cpus, shared_cache=150.0)) == [(0, 0.0, 4.5), (1, 1.0, 5.5)]
+    # Fitting together: each of the 4 switch-ins pays switch_cost, ends at 5 s and 6.5 s.
+    assert forwards(plan, host(cpus, shared_cache=200.0)) == [(0, 0.0, 5.0), (1, 1.0, 6.5)]
+
+
 def test_shm_workers_spend_their_measured_cpu_per_message() -> None:
     # Two cpu stages, gpipe, F 1 s, no backward, 1 GB per hop over an shm link (1 GB/s, latency 0.25 s).
     # Sender CPU 0.5 s + 1 GB / 1 GB/s = 1.5 s, receiver CPU 0.5 s. Two cores: stage 0 runs F0 0-1, sends

@@ -156,6 +156,7 @@ BAD = [
     ('name = "tiny"', 'name = "tiny"\ncorun_bandwidth = "45 GB/s"', r": corun_bandwidth: only workers sharing `cores` slow each other down; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny"\ntime_slice = "4 ms"', r": time_slice: only workers sharing `cores` take turns on them; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny"\nswitch_cost = "50 us"', r": switch_cost: only workers sharing `cores` take each other's cores; add cores or remove it"),
+    ('name = "tiny"', 'name = "tiny"\nwake_affine = true', r": wake_affine: only workers sharing `cores` queue on each other's cores; add cores or remove it"),
     ('name = "tiny"', 'name = "tiny', r": invalid TOML: .*line 1"),
 ]
 
@@ -200,11 +201,18 @@ def test_corun_bandwidth_and_shared_cache(tmp_path: Path) -> None:
     assert (target.host.corun_bandwidth, target.host.shared_cache) == (50e9, 32 * 2**20)
     assert corun_seconds(target, "f_0", 1e9) == pytest.approx(0.02)
     assert corun_seconds(target, "g_0", 1e9) == 0.0  # a gpu does not share the host's cores
+    assert (plain.host.switch_bandwidth, plain.host.wake_affine) == (0.0, False)
+    more = load_target(write(tmp_path, CPU.replace("cores = 2", 'cores = 2\ncorun_bandwidth = "50 GB/s"\nshared_cache = "32 MiB"\n'
+                                                                   'switch_bandwidth = "20 GB/s"\nwake_affine = true')))
+    assert (more.host.switch_bandwidth, more.host.wake_affine) == (20e9, True)
     for extra, message in [
         ('corun_bandwidth = "50 GB"', r": corun_bandwidth: bad unit 'GB'; use "),
         ('corun_bandwidth = "0 GB/s"', r": corun_bandwidth: must be positive"),
         ('shared_cache = "32 MiB"', r": shared_cache: only used with corun_bandwidth; add e\.g\. corun_bandwidth = \"45 GB/s\" or remove it"),
         ('corun_bandwidth = "50 GB/s"\nshared_cache = "-1 MiB"', r": shared_cache: must be zero or more"),
+        ('switch_bandwidth = "20 GB/s"', r": switch_bandwidth: refills only what overflows the shared cache; add e\.g\. shared_cache = \"32 MiB\" or remove it"),
+        ('corun_bandwidth = "50 GB/s"\nshared_cache = "32 MiB"\nswitch_bandwidth = "20 us"', r": switch_bandwidth: bad unit 'us'; use "),
+        ('wake_affine = 1', r": wake_affine: expected true or false, got 1"),
     ]:
         path = write(tmp_path, CPU.replace("cores = 2", f"cores = 2\n{extra}"))
         assert_one_line_error(path, message)
