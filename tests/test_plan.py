@@ -198,6 +198,42 @@ def test_heterogeneous_placement_matches_brute_force_and_puts_heavy_stage_on_fas
     assert sum(costs.nodes[n].flops for n in p.stages[1].nodes) > sum(costs.nodes[n].flops for n in p.stages[0].nodes)
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(4, 5), data=st.data())
+def test_cpsat_over_nodes_matches_brute_force_across_device_groups(n: int, data: st.DataObject) -> None:
+    """CP-SAT's model has variables only where a block can go (`_windows`, under a known plan's ceiling), prices a tensor of
+    one consumer without counting receivers and one of several by its receiving stages per group: with and without the
+    ceiling, its optimum is the least bottleneck brute force finds on two device groups joined by a slow link."""
+    from onnxpipe.plan.coarsen import coarsen
+    from onnxpipe.plan.cpsat import solve_cpsat
+    from onnxpipe.plan.dp import solve_dp
+    from onnxpipe.plan.layout import to_assignment
+
+    skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
+    graph = load(chain_model(n, skips, width=data.draw(st.sampled_from([16, 65536]))))
+    costs = hand_costs(graph, data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n)))
+    devices = tuple(
+        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e9, memory_bandwidth=1e12,
+               efficiency={"default": 1.0}, op_overhead=0.0)
+        for g, count, peak in (("a", 2, 1e12), ("b", 1, 4e12)) for i in range(count)
+    )
+    links = tuple(Link(between=pair, bandwidth=bw, latency=lat, topology="switch")
+                  for pair, bw, lat in ((("a", "a"), 1e11, 1e-6), (("b", "b"), 1e11, 1e-6), (("a", "b"), 1e8, 1e-5)))
+    target = Target(name="two", description="", devices=devices, links=links, profile=False, source="<test>")
+    problem = build_problem(graph, costs, target, batch=graph.batch * 4, microbatches=4)
+    expected = brute_force(problem, 3, "never")
+    blocks = coarsen(problem, problem.n)
+    hint = solve_dp(problem, blocks, 3, "never", True)
+    assert hint is not None
+    ceiling = evaluate(problem, to_assignment(problem, blocks, hint)).bottleneck_seconds
+    for result in (solve_cpsat(problem, blocks, 3, recompute="never", time_limit=20),
+                   solve_cpsat(problem, blocks, 3, recompute="never", hint=hint, ceiling_seconds=ceiling, time_limit=20)):
+        assert result.status == "OPTIMAL" and result.layout is not None
+        priced = evaluate(problem, to_assignment(problem, blocks, result.layout))
+        assert priced.bottleneck_seconds == pytest.approx(expected, rel=1e-9)
+        assert result.objective_seconds == pytest.approx(expected, abs=1e-8)  # each term rounded up to whole nanoseconds
+
+
 def test_skip_across_device_groups_is_priced_as_evaluate_does_and_proven_optimal() -> None:
     from onnxpipe.plan.coarsen import coarsen
     from onnxpipe.plan.cpsat import solve_cpsat

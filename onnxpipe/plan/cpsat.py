@@ -7,7 +7,9 @@ nanoseconds, applied term by term: a tensor is counted once per stage that recei
 priced on the link between the producer's and the receiver's device groups on both ends (a skip over a stage
 of another group included). Every term is rounded up, memory in KiB, so the model never prices a plan below
 `evaluate`. A known plan's bottleneck (the DP's hint) caps every time variable and, through `_windows`,
-rules out stages a block cannot take in any better plan; the first-principles bound is the objective's floor.
+rules out stages a block cannot take in any better plan: the model has variables only for the stages a block,
+and the tensors it sends or receives, can take (half of them or fewer at 8 stages; CP-SAT's time grows with
+the crossing variables it propagates). The first-principles bound is the objective's floor.
 
 Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `hint` -> `_windows`.
 """
@@ -119,17 +121,14 @@ class _Model:
         most = max(1, sum(counts) - k + 1) if replicas else 1
         # Every term is rounded up to whole nanoseconds, so a plan priced at `ceiling` may sit that many above it.
         self.most_ns = int(math.ceil(ceiling * _NS * (1 + 1e-6))) + nb + 3 * len(blocks.nbytes) + 16 if math.isfinite(ceiling) else 2**50
-        self.x = [[cp.NewBoolVar("") for _ in range(k)] for _ in range(nb)]
+        first, last = _windows(problem, blocks, k, replicas, self.most_ns / _NS) if math.isfinite(ceiling) else (np.zeros(nb, int), np.full(nb, k - 1))
+        #: x[b][s]: block b is in stage s, over the stages it can take (`_windows`); no variable where it cannot.
+        self.x = [{s: cp.NewBoolVar("") for s in range(int(first[b]), int(last[b]) + 1)} for b in range(nb)]
         for b in range(nb):
-            cp.AddExactlyOne(self.x[b])
-        if math.isfinite(ceiling):
-            first, last = _windows(problem, blocks, k, replicas, self.most_ns / _NS)
-            for b in range(nb):
-                for s in (*range(0, first[b]), *range(last[b] + 1, k)):
-                    cp.Add(self.x[b][s] == 0)
+            cp.AddExactlyOne(self.x[b].values())
         for s in range(k):
-            cp.AddBoolOr([self.x[b][s] for b in range(nb)])
-        stage = [sum(s * self.x[b][s] for s in range(1, k)) for b in range(nb)]
+            cp.AddBoolOr([x[s] for x in self.x if s in x])
+        stage = [sum(s * v for s, v in x.items() if s) for x in self.x]
         edges = {(int(p), int(c)) for p, cs in zip(blocks.producer, blocks.consumers) if p >= 0 for c in cs}
         for p, c in sorted(edges):
             cp.Add(stage[p] <= stage[c])
@@ -148,84 +147,122 @@ class _Model:
         for v in self.rc:
             if recompute != "auto":
                 cp.Add(v == (recompute == "always"))
-        # Crossing tensors: received[t][s] (per stage that reads it from elsewhere); by group of the other
-        # end (see `_by_group`): came_from[t][s][g] (received from a producer in group g), went_to[t][s][g]
-        # (received by stage s of group g), sent_to[t][s][g] (messages the producer's stage s sends to group g).
-        self.received, self.inputs, self.came_from, self.went_to, self.sent_to = [], [], [], [], []
-        self.block_group = {}
-        for p, cs in zip(blocks.producer, blocks.consumers):
-            recv = [cp.NewBoolVar("") for _ in range(k)]
-            for s in range(k):
+        self.block_group: dict[int, list] = {}
+        # Crossing tensors, each over the stages where it can arise (no variable elsewhere): received[t][s] (stage s reads
+        # it from an earlier stage; inputs[t][s] for a model input); by group of the other end (`_by_group`): came_from[t][s][g]
+        # (received from a producer in group g), sent_to[t][s][g] (messages the producer's stage s sends to group g);
+        # leaves[t][s] where it costs its stage forward seconds when sent (`Blocks.crossing_sent`): it leaves stage s.
+        self.received: list[dict | None] = []
+        self.inputs: list[dict | None] = []
+        self.came_from: list[dict | None] = []
+        self.went_to: list[dict | None] = []
+        self.sent_to: list[dict | None] = []
+        self.leaves: list[dict | None] = []
+        for t, (p, cs) in enumerate(zip(blocks.producer, blocks.consumers)):
+            p, cs = int(p), sorted({int(c) for c in cs})
+            after = min(self.x[p], default=k) if p >= 0 else -1  # a reader sits in a later stage than the producer
+            recv = {s: cp.NewBoolVar("") for s in sorted({s for c in cs for s in self.x[c] if s > after})}
+            for s, v in recv.items():
                 for c in cs:
-                    cp.Add(recv[s] >= self.x[c][s] - (self.x[p][s] if p >= 0 else 0))
+                    if s in self.x[c]:
+                        cp.AddBoolOr([self.x[c][s].Not(), v, *([self.x[p][s]] if p >= 0 and s in self.x[p] else [])])
             self.inputs.append(recv if p < 0 else None)
             self.received.append(None if p < 0 else recv)
-            came, went, sent = self._by_group(int(p), recv) if p >= 0 else (None, None, None)
+            came, went, sent = self._by_group(p, cs, recv) if p >= 0 else (None, None, None)
             self.came_from.append(came)
             self.went_to.append(went)
             self.sent_to.append(sent)
-        # leaves[t][s]: crossing tensor t, which costs its stage forward seconds when sent (`Blocks.crossing_sent`), leaves stage s.
-        self.leaves: list[list | None] = [None] * len(blocks.nbytes)
-        for t, (p, recv) in enumerate(zip(blocks.producer, self.received)):
-            if recv is not None and blocks.crossing_sent[:, t].any():
-                self.leaves[t] = [cp.NewBoolVar("") for _ in range(k)]
-                for s in range(k):
-                    for d in range(k):
-                        if d != s:
-                            cp.Add(self.leaves[t][s] >= self.x[p][s] + recv[d] - 1)
+            self.leaves.append(self._leaving(p, cs, recv) if p >= 0 and blocks.crossing_sent[:, t].any() else None)
         self.bottleneck = cp.NewIntVar(min(int(math.floor(floor * _NS)), self.most_ns), self.most_ns, "T")
         #: Per stage: its time in nanoseconds (at least: the model only bounds them by the bottleneck).
         self.stage_ns: list[cp_model.LinearExpr] = []
         self._stage_constraints(recompute)
         cp.Minimize(self.bottleneck)
 
-    def _by_group(self, p: int, recv: list[cp_model.IntVar]) -> tuple[list[list], list[list] | None, list[list]]:
-        """came_from, went_to (received by a stage of group g) and sent_to of one crossing tensor produced
-        in block p; with one group, came_from is recv itself and went_to is not needed."""
-        cp, k, groups = self.cp, self.k, len(self.in_group[0])
-        if groups == 1:
-            sent = [cp.NewIntVar(0, k - 1, "") for _ in range(k)]
-            for s in range(k):
-                cp.Add(sent[s] >= sum(recv) - (k - 1) * (1 - self.x[p][s]))
-            return [[r] for r in recv], None, [[v] for v in sent]
-        if p not in self.block_group:
-            self.block_group[p] = [cp.NewBoolVar("") for _ in range(groups)]
-            cp.AddExactlyOne(self.block_group[p])
-            for s in range(k):
+    def _group_of(self, b: int) -> list:
+        """block_group[b][g]: block b sits in a stage of group g."""
+        if b not in self.block_group:
+            cp, groups = self.cp, len(self.in_group[0])
+            self.block_group[b] = [cp.NewBoolVar("") for _ in range(groups)]
+            cp.AddExactlyOne(self.block_group[b])
+            for s, v in self.x[b].items():
                 for g in range(groups):
-                    cp.AddBoolOr([self.x[p][s].Not(), self.in_group[s][g].Not(), self.block_group[p][g]])
-        came, into = ([[cp.NewBoolVar("") for _ in range(groups)] for _ in range(k)] for _ in range(2))
-        for s in range(k):
-            cp.Add(sum(came[s]) == recv[s])
-            cp.Add(sum(into[s]) == recv[s])
-            for g in range(groups):
-                cp.AddBoolOr([recv[s].Not(), self.block_group[p][g].Not(), came[s][g]])
-                cp.AddBoolOr([recv[s].Not(), self.in_group[s][g].Not(), into[s][g]])
-        sent = [[cp.NewIntVar(0, k - 1, "") for _ in range(groups)] for _ in range(k)]
-        for s in range(k):
-            for g in range(groups):
-                cp.Add(sent[s][g] >= sum(into[d][g] for d in range(k)) - (k - 1) * (1 - self.x[p][s]))
+                    cp.AddBoolOr([v.Not(), self.in_group[s][g].Not(), self.block_group[b][g]])
+        return self.block_group[b]
+
+    def _senders(self, p: int, recv: dict) -> dict[int, list[int]]:
+        """Per stage s the producer block p can take: the later stages that may receive from it (none: no variable)."""
+        return {s: later for s in self.x[p] if (later := [d for d in recv if d > s])}
+
+    def _by_group(self, p: int, cs: list[int], recv: dict) -> tuple[dict, dict | None, dict]:
+        """came_from, went_to (received by a stage of group g; only with several groups and consumers) and sent_to of one
+        crossing tensor produced in block p and read by blocks cs. With one consumer a message leaves stage s exactly
+        when p is in s and the consumer is not (it is then later), to the consumer's group: no count over the later
+        stages; with several, sent_to counts the later stages of each group that receive it."""
+        cp, groups = self.cp, len(self.in_group[0])
+        senders = self._senders(p, recv)
+        into: dict | None = None
+        if groups == 1:
+            came = {s: [v] for s, v in recv.items()}
+        else:
+            source = self._group_of(p)
+            came = {s: [cp.NewBoolVar("") for _ in range(groups)] for s in recv}
+            for s, v in recv.items():
+                cp.Add(sum(came[s]) == v)
+                for g in range(groups):
+                    cp.AddBoolOr([v.Not(), source[g].Not(), came[s][g]])
+        sent: dict[int, list] = {}
+        if len(cs) == 1:
+            c = cs[0]
+            dest = [None] if groups == 1 else self._group_of(c)
+            for s in senders:
+                sent[s] = [cp.NewBoolVar("") for _ in range(groups)]
+                for g, v in enumerate(sent[s]):
+                    cp.AddBoolOr([self.x[p][s].Not(), v, *([self.x[c][s]] if s in self.x[c] else []), *([dest[g].Not()] if groups > 1 else [])])
+            return came, None, sent
+        if groups > 1:
+            into = {s: [cp.NewBoolVar("") for _ in range(groups)] for s in recv}
+            for s, v in recv.items():
+                cp.Add(sum(into[s]) == v)
+                for g in range(groups):
+                    cp.AddBoolOr([v.Not(), self.in_group[s][g].Not(), into[s][g]])
+        by_group = into or {s: [v] for s, v in recv.items()}
+        for s, later in senders.items():
+            most = min(len(cs), len(later))
+            sent[s] = [cp.NewIntVar(0, most, "") for _ in range(groups)]
+            for g, v in enumerate(sent[s]):
+                cp.Add(v >= sum(by_group[d][g] for d in later) - most * (1 - self.x[p][s]))
         return came, into, sent
+
+    def _leaving(self, p: int, cs: list[int], recv: dict) -> dict:
+        """leaves[s]: the tensor leaves stage s: p is in s and some consumer is not (it is then in a later stage)."""
+        cp = self.cp
+        leaves = {s: cp.NewBoolVar("") for s in self._senders(p, recv)}
+        for s, v in leaves.items():
+            for c in cs:
+                cp.AddBoolOr([self.x[p][s].Not(), v, *([self.x[c][s]] if s in self.x[c] else [])])
+        return leaves
 
     def _stage_constraints(self, recompute: str) -> None:
         problem, blocks, cp, k = self.problem, self.blocks, self.cp, self.k
         flights = problem.flights(k)
-        crossing = [t for t, r in enumerate(self.received) if r is not None]
-        reads = [t for t, r in enumerate(self.inputs) if r is not None]
         state = state_bytes(blocks.params, blocks.trained, problem.optimizer_states, problem.training)
         m = problem.microbatches
         # holds[s]: the stage has trained parameters, so a replicated stage all-reduces gradients.
         holds = [cp.NewBoolVar("") for _ in range(k)]
-        for s in range(k):
-            for b in np.flatnonzero(blocks.trained > 0):
-                cp.AddImplication(self.x[b][s], holds[s])
+        for b in np.flatnonzero(blocks.trained > 0):
+            for s, v in self.x[b].items():
+                cp.AddImplication(v, holds[s])
         for s in range(k):
             comp, comm_in, comm_out, ar = (cp.NewIntVar(0, self.most_ns, "") for _ in range(4))
             self.stage_ns.append(comp + comm_in + comm_out + ar)
             cp.Add(self.bottleneck >= self.stage_ns[-1])
+            # (tensor, variable) of what stage s may receive from another stage, or read as a model input
+            received = [(t, r[s]) for t, r in enumerate(self.received) if r is not None and s in r]
+            read = [(t, r[s]) for t, r in enumerate(self.inputs) if r is not None and s in r]
             for o, (g, r) in enumerate(self.options):
                 y = self.y[s][o]
-                cut = self._crossing(s, g, r, crossing)
+                cut = self._crossing(s, g, r, received)
                 for rc in (False, True):
                     if (recompute == "always" and not rc) or (recompute == "never" and rc):
                         continue
@@ -238,28 +275,26 @@ class _Model:
                     # Activations per block, and with recompute each tensor it receives (its stash) per micro-batch held.
                     need = _dot(self.x, s, (state + activation_bytes(mine, blocks.activations, 0.0, rc)) / _KIB, math.ceil)
                     if rc:
-                        stash = [_ceil(activation_bytes(mine, 0.0, blocks.nbytes[t], True) / _KIB) for t in range(len(blocks.nbytes))]
-                        need += sum(self.received[t][s] * stash[t] for t in crossing) + sum(self.inputs[t][s] * stash[t] for t in reads)
+                        need += sum(v * _ceil(activation_bytes(mine, 0.0, blocks.nbytes[t], True) / _KIB) for t, v in (*received, *read))
                     cp.Add(need <= cap).OnlyEnforceIf([y, flag])
-                groups = range(len(problem.groups))
-                if s < k - 1:
-                    out = sum(self.sent_to[t][s][gd] * self._message(t, g, gd, r) for t in crossing for gd in groups)
-                    cp.Add(comm_out >= out).OnlyEnforceIf(y)
-                if s > 0:
-                    inside = sum(self.came_from[t][s][gp] * self._message(t, gp, g, r) for t in crossing for gp in groups)
-                    cp.Add(comm_in >= inside).OnlyEnforceIf(y)
+                out = [(v, self._message(t, g, gd, r)) for t, sent in enumerate(self.sent_to) if sent is not None and s in sent
+                       for gd, v in enumerate(sent[s])]
+                if out:
+                    cp.Add(comm_out >= _weighted(out)).OnlyEnforceIf(y)
+                inside = [(v, self._message(t, gp, g, r)) for t, came in enumerate(self.came_from) if came is not None and s in came
+                          for gp, v in enumerate(came[s])]
+                if inside:
+                    cp.Add(comm_in >= _weighted(inside)).OnlyEnforceIf(y)
                 if r > 1:
                     a0, a1 = problem.allreduce_affine(g, r)
                     cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.trained * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
 
-    def _crossing(self, s: int, g: int, r: int, crossing: list[int]) -> cp_model.LinearExpr:
+    def _crossing(self, s: int, g: int, r: int, received: list[tuple[int, cp_model.IntVar]]) -> cp_model.LinearExpr:
         """Forward nanoseconds the tensors stage s receives and sends cost it on group g with r replicas (its share)."""
-        from ortools.sat.python import cp_model
-
-        received, sent = self.blocks.crossing_received[g], self.blocks.crossing_sent[g]
-        terms = [(self.received[t][s], _ceil(received[t] / r * _NS)) for t in crossing if received[t] > 0]
-        terms += [(self.leaves[t][s], _ceil(sent[t] / r * _NS)) for t in crossing if self.leaves[t] is not None and sent[t] > 0]
-        return cp_model.LinearExpr.WeightedSum([v for v, _ in terms], [c for _, c in terms])
+        into, sent = self.blocks.crossing_received[g], self.blocks.crossing_sent[g]
+        terms = [(v, _ceil(into[t] / r * _NS)) for t, v in received if into[t] > 0]
+        terms += [(leaves[s], _ceil(sent[t] / r * _NS)) for t, leaves in enumerate(self.leaves) if leaves is not None and s in leaves and sent[t] > 0]
+        return _weighted(terms)
 
     def _message(self, t: int, source: int, dest: int, replicas: int) -> int:
         """Nanoseconds one end spends on tensor t between groups source and dest, its share over `replicas`."""
@@ -267,44 +302,53 @@ class _Model:
         return _ceil(message_seconds(problem.latency[source, dest], self.blocks.nbytes[t], replicas, problem.bandwidth[source, dest]) * _NS)
 
     def hint(self, layout: Layout) -> None:
-        """Warm-start from `layout`; none when its replica counts are not among the model's (`replica_choices`)."""
+        """Warm-start from `layout`; none when its replica counts are not among the model's (`replica_choices`) or it puts
+        a block in a stage the model rules out (`_windows`)."""
         cp, k = self.cp, self.k
         if any((g, r) not in self.options for g, r in zip(layout.groups, layout.replicas)):
             return
-        for b, s0 in enumerate(layout.block_stage):
-            for s in range(k):
-                cp.AddHint(self.x[b][s], int(s == s0))
+        stage_of = [int(s) for s in layout.block_stage]
+        if any(s not in x for s, x in zip(stage_of, self.x)):
+            return
+        for x, s0 in zip(self.x, stage_of):
+            for s, v in x.items():
+                cp.AddHint(v, int(s == s0))
         for s in range(k):
             chosen = self.options.index((layout.groups[s], layout.replicas[s]))
             for o in range(len(self.options)):
                 cp.AddHint(self.y[s][o], int(o == chosen))
+            for g, v in enumerate(self.in_group[s]):
+                cp.AddHint(v, int(layout.groups[s] == g))
             cp.AddHint(self.rc[s], int(layout.recompute[s]))
         groups = layout.groups
-        for p, g in self.block_group.items():
+        for b, g in self.block_group.items():
             for h, v in enumerate(g):
-                cp.AddHint(v, int(groups[layout.block_stage[p]] == h))
+                cp.AddHint(v, int(groups[stage_of[b]] == h))
         tensors = zip(self.blocks.producer, self.blocks.consumers, self.received, self.came_from, self.went_to, self.sent_to, self.inputs, self.leaves)
         for p, cs, recv, came, went, sent, reads, leaves in tensors:
-            readers = set(int(layout.block_stage[c]) for c in cs)
+            readers = {stage_of[c] for c in cs}
             if recv is None:
-                for s in range(k):
-                    cp.AddHint(reads[s], int(s in readers))
+                for s, v in reads.items():
+                    cp.AddHint(v, int(s in readers))
                 continue
-            src = int(layout.block_stage[p])
+            src = stage_of[p]
             readers.discard(src)
-            for s in range(k):
-                cp.AddHint(recv[s], int(s in readers))
-                if leaves is not None:
-                    cp.AddHint(leaves[s], int(s == src and bool(readers)))
-                for h in range(len(sent[s])):
-                    if went is not None:
-                        cp.AddHint(came[s][h], int(s in readers and groups[src] == h))
-                        cp.AddHint(went[s][h], int(s in readers and groups[s] == h))
-                    cp.AddHint(sent[s][h], sum(groups[d] == h for d in readers) if s == src else 0)
+            for s, v in recv.items():
+                cp.AddHint(v, int(s in readers))
+                for h, w in enumerate(came[s] if len(came[s]) > 1 else ()):
+                    cp.AddHint(w, int(s in readers and groups[src] == h))
+            for s, w in (went or {}).items():
+                for h, v in enumerate(w):
+                    cp.AddHint(v, int(s in readers and groups[s] == h))
+            for s, counts in sent.items():
+                for h, w in enumerate(counts):
+                    cp.AddHint(w, sum(groups[d] == h for d in readers) if s == src else 0)
+            for s, v in (leaves or {}).items():
+                cp.AddHint(v, int(s == src and bool(readers)))
 
     def layout(self, solver: cp_model.CpSolver) -> Layout:
         k = self.k
-        block_stage = np.array([next(s for s in range(k) if solver.BooleanValue(self.x[b][s])) for b in range(self.blocks.count)])
+        block_stage = np.array([next(s for s, v in x.items() if solver.BooleanValue(v)) for x in self.x])
         chosen = [self.options[next(o for o in range(len(self.options)) if solver.BooleanValue(self.y[s][o]))] for s in range(k)]
         return Layout(
             block_stage=block_stage,
@@ -340,8 +384,14 @@ def _ceil(value: float) -> int:
     return int(math.ceil(value - 1e-9))
 
 
-def _dot(x: list[list[cp_model.IntVar]], s: int, weights: np.ndarray, rounding: Callable[[float], int]) -> cp_model.LinearExpr:
+def _dot(x: list[dict[int, cp_model.IntVar]], s: int, weights: np.ndarray, rounding: Callable[[float], int]) -> cp_model.LinearExpr:
+    """Sum over the blocks that can take stage s of x[b][s] * weights[b], each weight rounded."""
+    return _weighted([(v[s], rounding(w - 1e-9)) for v, w in zip(x, weights) if s in v])
+
+
+def _weighted(terms: list[tuple[cp_model.IntVar, int]]) -> cp_model.LinearExpr:
+    """A linear expression of (variable, integer coefficient) terms, zero coefficients left out."""
     from ortools.sat.python import cp_model
 
-    coefficients = [rounding(w - 1e-9) for w in weights]
-    return cp_model.LinearExpr.WeightedSum([x[b][s] for b in range(len(x)) if coefficients[b]], [c for c in coefficients if c])
+    kept = [(v, c) for v, c in terms if c]
+    return cp_model.LinearExpr.WeightedSum([v for v, _ in kept], [c for _, c in kept])
