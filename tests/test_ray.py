@@ -30,6 +30,7 @@ from onnxpipe.train.fit import data_source, fit  # noqa: E402
 from onnxpipe.train.pipeline import Pipeline  # noqa: E402
 from onnxpipe.train.prepare import TrainConfig  # noqa: E402
 from onnxpipe.train.ray_backend import link_messages  # noqa: E402
+from onnxpipe.train.ray_transport import PART_BYTES, ChannelTransport, open_channel  # noqa: E402
 from onnxpipe.train.transport import LocalTransport  # noqa: E402
 from procs import as_in_a_terminal  # noqa: E402
 from test_train import SGD, M, _alive, _global_batches, stage_dir  # noqa: E402
@@ -141,6 +142,50 @@ def test_each_channel_has_a_buffer_per_message_a_command_sends(name: str, replic
     assert +link_messages(specs) == sent
     if name == "gpt2-tiny":  # its tied embedding's gradients cross between the stages at STEP
         assert any(s.shared() for s in specs)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _Receiver:
+    """A channel reader as a stage actor is one (a second slot serves Ray's own calls: a writer on another node
+    grows the channel through one while `take` waits): it takes one tensor and says how it holds it."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def start(self, incoming: object) -> None:
+        self.transport = ChannelTransport(0, {}, [incoming])
+
+    def take(self, key: str) -> tuple[np.ndarray, bool]:
+        """(a copy of the tensor, whether the tensor received owns its memory rather than viewing the channel's)."""
+        got = self.transport.recv(key, 0)
+        root = got
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        owned = bool(root.flags.owndata)
+        out = np.array(got)
+        del got, root
+        self.transport.close()
+        return out, owned
+
+
+@pytest.mark.parametrize(("node", "in_place"), [("left", True), ("right", False)])
+def test_a_tensor_over_one_part_arrives_whole(cluster: object, node: str, in_place: bool) -> None:
+    """A tensor larger than `PART_BYTES` travels in parts (each copied by one memcpy) and arrives equal, of
+    its shape and dtype: on the driver's node as one view into the channel's buffer (no copy), from
+    another node as a copy of the reader's own."""
+    receiver = _Receiver.options(resources={node: 0.001}).remote()  # type: ignore[attr-defined]
+    link = open_channel(None, receiver, ray.get(receiver.node.remote()), buffers=2)
+    ray.get(receiver.start.remote(link))
+    sent = np.arange(2 * PART_BYTES // 4 + 7, dtype=np.float32).reshape(-1, 1).repeat(3, axis=1).T  # not C-contiguous
+    driver = ChannelTransport(-1, {0: link}, background=True)
+    try:
+        driver.send(0, "x", 0, sent)
+        got, owned = ray.get(receiver.take.remote("x"), timeout=60)
+    finally:
+        driver.close()
+    assert got.dtype == sent.dtype and got.shape == sent.shape
+    np.testing.assert_array_equal(got, sent)
+    assert owned is not in_place
 
 
 def test_killed_actor_fails_within_10s_and_resume_continues(cluster: object, tmp_path: Path) -> None:

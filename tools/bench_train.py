@@ -2,8 +2,9 @@
 on the same cores, measured bubble against (k-1)/(m+k-1) (1F1B, and ZB-H1 beside it), transfer share of a step, and 1F1B vs GPipe
 peak activation memory per stage. Prints the table and rewrites its section of docs/benchmarks.md.
 
-Run: .venv/bin/python tools/bench_train.py [--steps N] [--ray] [--schedules]   (--ray: the Ray backend's step time
-over the local backend's for the same plan, its own section; --schedules: ZB-H1 and interleaved 1F1B against 1F1B at the
+Run: .venv/bin/python tools/bench_train.py [--steps N] [--ray [--case NAME ...]] [--schedules]   (--ray: the Ray backend's
+step time over the local backend's for the same plan, its own section; --case: only the --ray cases whose label contains
+NAME, printed and not written; --schedules: ZB-H1 and interleaved 1F1B against 1F1B at the
 same m on cpu4 and cpu2, measured and simulated, its own section)
 """
 
@@ -64,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ray", action="store_true", help="only the Ray backend against the local one")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME",
+                        help="with --ray: only the cases whose label (e.g. 'resnet-tiny (batch=256)') contains NAME; printed, not written")
     parser.add_argument("--schedules", action="store_true", help="only ZB-H1 and interleaved 1F1B against 1F1B (cpu4 and cpu2)")
     args = parser.parse_args()
     if args.schedules:
@@ -72,9 +75,10 @@ def main() -> None:
         write_section(NAME + "_schedules", section)
         return
     if args.ray:
-        section = ray_rows(args.steps)
+        section = ray_rows(args.steps, args.case)
         print(section)
-        write_section(NAME + "_ray", section)
+        if not args.case:
+            write_section(NAME + "_ray", section)
         return
     rows = []
     for model_name, target, k, m in CASES:
@@ -124,11 +128,15 @@ RAY_CASES = [("gpt2-tiny", {}, 4), ("gpt2-tiny", {"batch": 64}, 4), ("gpt2-tiny"
 RAY_RATIO_GOAL, RAY_PREDICTION_GOAL = 1.10, 0.15
 
 
-def ray_rows(steps: int) -> str:
+def ray_label(name: str, knobs: dict) -> str:
+    return f"{name} ({', '.join(f'{k}={v}' for k, v in knobs.items()) or 'quick-start size'})"
+
+
+def ray_rows(steps: int, only: list[str] | None = None) -> str:
     """Median step time of the Ray backend over the local one for the same stage directory (gpt2-tiny and
     resnet-tiny, k=2 on cpu2), both pipelines alive, one step of each in turn; with the simulator's
     prediction for each backend (`Target.for_backend`: the Ray one prices cpu2's measured [backends.ray]).
-    Ray runs on an instance of its own on this machine (loopback)."""
+    Ray runs on an instance of its own on this machine (loopback). `only`: the cases whose label contains one of these."""
     import onnxpipe
     from onnxpipe.plan.result import Plan
 
@@ -136,6 +144,8 @@ def ray_rows(steps: int) -> str:
     load0 = os.getloadavg()[0]
     lines, ratios, errors = [], [], []
     for name, knobs, m in RAY_CASES:
+        if only and not any(o in ray_label(name, knobs) for o in only):
+            continue
         model = models.build(name, train=True, **knobs)
         opt = OptimizerConfig("sgd", lr=0.01)
         with Pipeline(model, "cpu2", stages=2, microbatches=m, optimizer=opt) as local:
@@ -152,8 +162,7 @@ def ray_rows(steps: int) -> str:
         if a >= 0.1:
             ratios.append(b / a)
         errors.append(abs(p_ray - b) / b)
-        size = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "quick-start size"
-        lines.append(f"| {name} ({size}) k=2 m={m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {p_local * 1e3:.1f} ({(p_local - a) / a:+.0%}) "
+        lines.append(f"| {ray_label(name, knobs)} k=2 m={m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {p_local * 1e3:.1f} ({(p_local - a) / a:+.0%}) "
                      f"| {p_ray * 1e3:.1f} | {(p_ray - b) / b:+.0%} |")
         print(lines[-1], flush=True)
     load1 = os.getloadavg()[0]
@@ -177,7 +186,7 @@ def ray_rows(steps: int) -> str:
         "",
         f"Goals: Ray / local at most {RAY_RATIO_GOAL:.2f}x at steps of 100 ms and above (worst: "
         f"{max(ratios, default=0.0):.2f}x): {held(bool(ratios) and max(ratios) <= RAY_RATIO_GOAL)}; the simulator's Ray step within "
-        f"{RAY_PREDICTION_GOAL:.0%} of the measured one (worst: {max(errors):.0%}): {held(max(errors) <= RAY_PREDICTION_GOAL)}.",
+        f"{RAY_PREDICTION_GOAL:.0%} of the measured one (worst: {max(errors, default=0.0):.0%}): {held(max(errors, default=0.0) <= RAY_PREDICTION_GOAL)}.",
     ])
 
 
