@@ -110,22 +110,39 @@ def _runnable_others(ours: int) -> int:
     return sum(1 for pid in running if not mine(pid))
 
 
+class Background:
+    """Context manager: samples the other work's runnable processes (`_runnable_others(ours)`) every 50 ms
+    while it is open; `mean` is their mean (0 without a sample)."""
+
+    def __init__(self, ours: int) -> None:
+        self.ours = ours
+        self.samples: list[int] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.05):
+            self.samples.append(_runnable_others(self.ours))
+
+    def __enter__(self) -> Background:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.samples) if self.samples else 0.0
+
+
 def train_with_background(command: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     """Run `command`; sample the other runnable processes every 50 ms while it runs; return it and their mean."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    samples: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.05):
-            samples.append(_runnable_others(proc.pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    output, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    return subprocess.CompletedProcess(command, proc.returncode, output, ""), statistics.mean(samples) if samples else 0.0
+    with Background(proc.pid) as others:
+        output, _ = proc.communicate()
+    return subprocess.CompletedProcess(command, proc.returncode, output, ""), others.mean
 
 
 def parse_knobs(specs: list[str]) -> dict[str, dict[str, int | float | bool]]:
