@@ -11,7 +11,8 @@ busy process while more are runnable than cores (`time_slice`), the CPU a worker
 back after other workers ran (`switch_cost`: its caches and TLB refill), and the CPU a worker spends per message it
 sends and receives through `ShmTransport` by message bytes (the shm link's `send_overhead`, `send_bandwidth`,
 `recv_overhead`), the rate at which a worker refills its working set after a switch when the workers' working sets
-overflow the shared cache together (`switch_bandwidth`), and where the OS runs a worker woken by a message while
+overflow the shared cache together (`switch_bandwidth`; one switched in mid-action reads back only what the rest of
+the action touches: runs of several slices), and where the OS runs a worker woken by a message while
 every vCPU is busy (`wake_affine`).
 
 Run: .venv/bin/python tools/measure_cpu.py [all|gradients|corun|slice|switch|messages|wake]   (a part alone: `gradient_bandwidth`;
@@ -627,6 +628,67 @@ def report_switches() -> None:
                   f"{refill * 1e6:+.0f} us per switch-in: its working set read back at {rate} (switch_bandwidth)")
 
 
+#: A chain whose runs span 2-3 of the OS's 4 ms slices (about 10 ms here) with a 12.5 MiB working set: four overflow
+#: the shared cache together, two fit it.
+LONG_CHAIN = ("MatMul", 256, 512, 8)
+
+
+def _long_runs(conn: Connection, chain: tuple[str, int, int, int], seconds: float) -> None:
+    """Each time a token comes (None stops), run the chain back to back for `seconds`; answer the median thread CPU per run."""
+    session = cpu_session(_chain_model(*chain), threads=1)
+    feed = {"x": np.random.rand(chain[1], chain[2]).astype(np.float32)}
+    for _ in range(3):
+        session.run(None, feed)
+    conn.send("ready")
+    while conn.recv() is not None:
+        runs = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.thread_time()
+            session.run(None, feed)
+            runs.append(time.thread_time() - start)
+        conn.send(statistics.median(runs))
+
+
+def midaction_refill(chain: tuple[str, int, int, int] = LONG_CHAIN, rounds: int = 5, seconds: float = 1.5) -> tuple[float, float]:
+    """(thread CPU per run with 2 processes running the chain on this machine's 2 vCPUs, the excess per run with 4):
+    with 4 the OS switches each run out and in 2-3 times, and the 4 working sets overflow the shared cache. A switch-in
+    that read the whole working set back would cost 2-3 read-backs per run; one that reads back only what the rest of
+    the run touches costs one at most. Medians over `rounds` alternating rounds in the same processes."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(4)]
+    procs = [ctx.Process(target=_long_runs, args=(theirs, chain, seconds)) for _, theirs in pipes]
+    for proc in procs:
+        proc.start()
+    for ours, _ in pipes:
+        ours.recv()
+    per_run: dict[int, list[float]] = {2: [], 4: []}
+    for _ in range(rounds):
+        for n in per_run:
+            for ours, _ in pipes[:n]:
+                ours.send(1)
+            per_run[n].append(statistics.median(ours.recv() for ours, _ in pipes[:n]))
+    for ours, _ in pipes:
+        ours.send(None)
+    for proc in procs:
+        proc.join()
+    two, four = statistics.median(per_run[2]), statistics.median(per_run[4])
+    return two, four - two
+
+
+def report_midaction() -> None:
+    """Print the read-back a switch-in mid-action costs (`switch_bandwidth`'s semantics)."""
+    ws = working_set(*LONG_CHAIN)
+    two, excess = midaction_refill()
+    once = (f"the working set read back once per run at {ws / excess / 1e9:.1f} GB/s (at or above switch_bandwidth: at most one "
+            "read-back per run, not one per switch-in)") if excess > 0 else "no read-back"
+    print(f"{LONG_CHAIN[0]} chain {LONG_CHAIN[3]} x [{LONG_CHAIN[1]},{LONG_CHAIN[2]}] ({ws / 2**20:.1f} MiB), runs of {two * 1e3:.2f} ms CPU "
+          f"with 2 processes on the vCPUs: {excess * 1e6:+.0f} us per run with 4 (switched out and in mid-run, working sets "
+          f"overflowing the {SHARED_CACHE / 2**20:.0f} MiB shared cache): {once}")
+
+
 def _vcpu() -> int:
     """The vCPU this thread runs on (/proc: os.sched_getcpu needs Python 3.12)."""
     return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
@@ -735,6 +797,7 @@ def main() -> None:
         report_slices()
     if part in ("all", "switch"):
         report_switches()
+        report_midaction()
     if part in ("all", "messages"):
         report_messages()
     if part in ("all", "wake"):
