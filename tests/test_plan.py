@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -65,6 +66,14 @@ def make_target(groups: list[tuple[str, int, float, float]], bandwidth: float = 
     names = [g[0] for g in groups]
     links = tuple(Link(between=(a, b), bandwidth=bandwidth, latency=latency, topology="switch") for a, b in itertools.combinations_with_replacement(names, 2))
     return Target(name="test", description="", devices=devices, links=links, profile=False, source="<test>")
+
+
+def slow_link_target(fast_peak: float) -> Target:
+    """Two devices of group a (1 TFLOP/s) and one of group b (`fast_peak`), fast links within a group, a slow a-b link."""
+    base = make_target([("a", 2, 1e12, 1e9), ("b", 1, fast_peak, 1e9)])
+    links = tuple(Link(between=pair, bandwidth=bw, latency=lat, topology="switch")
+                  for pair, bw, lat in ((("a", "a"), 1e11, 1e-6), (("b", "b"), 1e11, 1e-6), (("a", "b"), 1e8, 1e-5)))
+    return dataclasses.replace(base, links=links)
 
 
 def brute_force(problem, stages: int, recompute: str = "auto") -> float:  # type: ignore[no-untyped-def]
@@ -212,14 +221,7 @@ def test_cpsat_over_nodes_matches_brute_force_across_device_groups(n: int, data:
     skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
     graph = load(chain_model(n, skips, width=data.draw(st.sampled_from([16, 65536]))))
     costs = hand_costs(graph, data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n)))
-    devices = tuple(
-        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e9, memory_bandwidth=1e12,
-               efficiency={"default": 1.0}, op_overhead=0.0)
-        for g, count, peak in (("a", 2, 1e12), ("b", 1, 4e12)) for i in range(count)
-    )
-    links = tuple(Link(between=pair, bandwidth=bw, latency=lat, topology="switch")
-                  for pair, bw, lat in ((("a", "a"), 1e11, 1e-6), (("b", "b"), 1e11, 1e-6), (("a", "b"), 1e8, 1e-5)))
-    target = Target(name="two", description="", devices=devices, links=links, profile=False, source="<test>")
+    target = slow_link_target(4e12)
     problem = build_problem(graph, costs, target, batch=graph.batch * 4, microbatches=4)
     expected = brute_force(problem, 3, "never")
     blocks = coarsen(problem, problem.n)
@@ -243,14 +245,7 @@ def test_skip_across_device_groups_is_priced_as_evaluate_does_and_proven_optimal
     # stage 1 (group a) into stage 2 (group b): the send is on the slow a-b link, not the a-a one.
     graph = load(chain_model(7, {2: 0, 3: 0, 4: 2, 5: 2}, width=65536))
     costs = hand_costs(graph, [1.5e9, 1.5e9, 1.5e9, 1.5e9, 1e8, 1.5e9, 5e8])
-    devices = tuple(
-        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e9, memory_bandwidth=1e12,
-               efficiency={"default": 1.0}, op_overhead=0.0)
-        for g, count, peak in (("a", 2, 1e12), ("b", 1, 8e12)) for i in range(count)
-    )
-    links = tuple(Link(between=pair, bandwidth=bw, latency=lat, topology="switch")
-                  for pair, bw, lat in ((("a", "a"), 1e11, 1e-6), (("b", "b"), 1e11, 1e-6), (("a", "b"), 1e8, 1e-5)))
-    target = Target(name="skip", description="", devices=devices, links=links, profile=False, source="<test>")
+    target = slow_link_target(8e12)
     p = plan(graph, costs, target, stages=3, recompute="never", time_limit=5)
     problem = build_problem(graph, costs, target, batch=p.batch, microbatches=p.microbatches)
     assert p.solver.status == "OPTIMAL" and p.solver.bound_seconds == pytest.approx(p.bottleneck_seconds, rel=1e-6)
