@@ -253,6 +253,26 @@ class _Links:
         return arrived
 
 
+@dataclass(slots=True)
+class _Job:
+    """One action on the shared cores (mutable: its work left shrinks as it runs)."""
+
+    #: Seconds of work left at full speed.
+    left: float
+    op: str
+    microbatch: int
+    #: When it first got a core (None until then).
+    start: float | None
+    #: Seconds of the whole action's work: a switch-in's read-back is spread over it.
+    whole: float
+    #: How many times slower the rest of it runs (a switch-in's read-back; 1: none).
+    slowdown: float = 1.0
+
+
+def _job(work: float, op: str, microbatch: int, start: float | None) -> _Job:
+    return _Job(work, op, microbatch, start, work)
+
+
 class _Cores:
     """cpu workers on the host's cores, assigned as the OS scheduler does: a worker holds a core from
     when it becomes runnable until it blocks (waits for a transfer that has not arrived, or for the other
@@ -302,25 +322,23 @@ class _Cores:
         #: back, at `switch_bandwidth`, what its action has yet to touch (the others evicted it); else it pays
         #: `switch_cost`. Per worker: seconds to read back its whole working set.
         self._spill = host.switch_bandwidth > 0 and sum(b for b, cpu in zip(self._working, self.shared) if cpu) > self._cache
-        self._refill = tuple(b / host.switch_bandwidth if self._spill else 0.0 for b in self._working)
+        self._refill = tuple(b / host.switch_bandwidth for b in self._working) if self._spill else ()
         self._switch = host.switch_cost
-        #: worker -> [seconds of work left at full speed, op, micro-batch, start of the action, seconds of the whole
-        #: action, slowdown of the rest of it] (a holder's, or a queued worker's: None for one that has no action yet).
-        self.active: dict[int, list[Any]] = {}
+        #: worker -> the action a holder runs.
+        self.active: dict[int, _Job] = {}
         #: Holders that got their core cold between two actions: their next action pays the switch-in.
         self._cold: set[int] = set()
         #: Workers holding a core (computing or not) -> when they got it.
         self._holding: dict[int, float] = {}
-        #: Runnable workers waiting for a core, in arrival order, with their action (start None until it first
-        #: runs; the whole entry None for a holder put back by a woken worker between two of its actions): the
-        #: host's queue, and each core's own (`wake_affine`).
-        self._waiting: list[tuple[int, list[Any] | None]] = []
-        self._queues: list[list[tuple[int, list[Any] | None]]] = [[] for _ in range(self._slots)]
+        #: Runnable workers waiting for a core, in arrival order, with their action (None for a holder put back by
+        #: a woken worker between two of its actions): the host's queue, and each core's own (`wake_affine`).
+        self._waiting: list[tuple[int, _Job | None]] = []
+        self._queues: list[list[tuple[int, _Job | None]]] = [[] for _ in range(self._slots)]
 
     def start(self, now: float, worker: int, work: float, op: str, microbatch: int, waker: int | None = None) -> None:
         """The worker runs an action of `work` seconds; `waker`: the worker whose message woke it, if one did."""
         if worker in self._holding:
-            self.active[worker] = [work, op, microbatch, now, work, 1.0]
+            self.active[worker] = _job(work, op, microbatch, now)
             if worker in self._cold:
                 self._cold.discard(worker)
                 self._switch_in(worker, self.active[worker])
@@ -328,16 +346,16 @@ class _Cores:
         for queue in (self._waiting, *self._queues):
             at = next((i for i, (w, _) in enumerate(queue) if w == worker), None)
             if at is not None:  # put back between two of its actions: this one starts when it gets a core again
-                queue[at] = (worker, [work, op, microbatch, None, work, 1.0])
+                queue[at] = (worker, _job(work, op, microbatch, None))
                 return
         host = self._core.get(waker) if waker is not None else None
         if self._affine and host is not None and len(self._holding) == self._slots:
             holder = next(w for w, c in self._core.items() if c == host)
             self._queues[host].insert(0, (holder, self.active.pop(holder, None)))
             self._drop(holder)
-            self._take(now, worker, host, [work, op, microbatch, None, work, 1.0])
+            self._take(now, worker, host, _job(work, op, microbatch, None))
         else:
-            self._waiting.append((worker, [work, op, microbatch, None, work, 1.0]))
+            self._waiting.append((worker, _job(work, op, microbatch, None)))
             self._assign(now)
 
     def release(self, now: float, worker: int) -> None:
@@ -353,7 +371,7 @@ class _Cores:
         del self._holding[worker]
         del self._core[worker]
 
-    def _take(self, now: float, worker: int, core: int, job: list[Any] | None) -> None:
+    def _take(self, now: float, worker: int, core: int, job: _Job | None) -> None:
         """The worker gets `core` at `now`, with the rest of its action (None: between actions)."""
         cold = self._last[core] not in (None, worker)
         self._core[worker], self._last[core] = core, worker
@@ -363,18 +381,20 @@ class _Cores:
             if cold:
                 self._cold.add(worker)
             return
-        self.active[worker] = [*job[:3], now if job[3] is None else job[3], *job[4:]]
+        if job.start is None:
+            job.start = now
+        self.active[worker] = job
         if cold:
-            self._switch_in(worker, self.active[worker])
+            self._switch_in(worker, job)
 
-    def _switch_in(self, worker: int, job: list[Any]) -> None:
+    def _switch_in(self, worker: int, job: _Job) -> None:
         """The worker's action continues on a core another worker held last: `switch_cost` more work, or, where the
         working sets overflow the shared cache, the rest of the action runs slower by the share of the working set it
         reads back (its whole working set's refill seconds spread over the whole action: progress in any slice)."""
         if self._spill:
-            job[5] = 1.0 + self._refill[worker] / job[4] if job[4] > 0 else 1.0
+            job.slowdown = 1.0 + self._refill[worker] / job.whole if job.whole > 0 else 1.0
         else:
-            job[0] += self._switch
+            job.left += self._switch
 
     def _assign(self, now: float) -> None:
         """Free cores go to their own queue's first, else the host queue's first, else the longest queue's first."""
@@ -411,14 +431,15 @@ class _Cores:
         computing = [w for w in self.active if w in self._holding]
         crowded = len(computing) > 1 and sum(self._working[w] for w in computing) > self._cache
         # A message's CPU was measured beside a worker reading through memory: no slowdown on top.
-        return {w: (share / (1 + self._corun[w]) if crowded and self.active[w][1] in ("F", "B", "W") else share) / self.active[w][5] for w in computing}
+        return {w: (share / (1 + self._corun[w]) if crowded and self.active[w].op in ("F", "B", "W") else share) / self.active[w].slowdown
+                for w in computing}
 
     def next_time(self, now: float) -> float:
         rates = self._rates()
         if not rates:
             return math.inf
         ends = [self._slice_end(w, now) for w in self._sliced()]
-        return min([now + self.active[w][0] / rate for w, rate in rates.items()] + ends)
+        return min([now + self.active[w].left / rate for w, rate in rates.items()] + ends)
 
     def advance(self, now: float, later: float) -> list[tuple[int, str, int, float]]:
         """Do the work from now to later; return (worker, op, micro-batch, start) of the actions
@@ -429,11 +450,12 @@ class _Cores:
         if not rates:
             return []
         # Same expressions as next_time, so the action or slice that set `later` ends exactly then.
-        done = [w for w, rate in rates.items() if now + self.active[w][0] / rate <= later]
+        done = [w for w, rate in rates.items() if now + self.active[w].left / rate <= later]
         due = sorted((self._holding[w], w) for w in self._sliced() if w not in done and self._slice_end(w, now) <= later)
         for w, rate in rates.items():
-            self.active[w][0] -= (later - now) * rate
-        finished = [(w, *self.active.pop(w)[1:4]) for w in done]
+            self.active[w].left -= (later - now) * rate
+        jobs = [(w, self.active.pop(w)) for w in done]
+        finished = [(w, job.op, job.microbatch, job.start) for w, job in jobs]
         host_waiting = len(self._waiting)
         for _, w in due:
             core = self._core[w]

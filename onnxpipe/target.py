@@ -185,8 +185,9 @@ class HostModel:
     #: private caches and TLB refill; measured); 0: none.
     switch_cost: float = 0.0
     #: Bytes/s at which a cpu worker taking a core another worker held last refills its working set (static
-    #: memory plus one micro-batch's stash) when the workers' working sets together overflow `shared_cache`
-    #: (each one's data is evicted while the others run; measured); 0: no refill beyond `switch_cost`.
+    #: memory, one micro-batch's stash and its messages in and out) when the workers' working sets together
+    #: overflow `shared_cache` (each one's data is evicted while the others run; measured); 0: no refill beyond
+    #: `switch_cost`.
     switch_bandwidth: float = 0.0
     #: Whether a cpu worker woken by a message while every shared core is busy joins its waker's core and
     #: takes it first (the OS's wake-affine placement and wake-up preemption; measured); False: it waits for
