@@ -29,7 +29,10 @@ from onnxpipe.protostream import read_user_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
 from onnxpipe.units import plural
 
-__all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
+__all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS", "FLOAT_DTYPES"]
+
+#: Dtypes that carry gradients: a stage's inputs of these get one from its backward (the trainer's rule, which the pricing mirrors).
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
 
 
 

@@ -83,7 +83,9 @@ def test_planner_prices_w_and_zb_h1_memory() -> None:
     assert {("MatMul", 0.5), ("LayerNormalization", 0.0), ("Softmax", 0.0)} <= kinds
     zb = plan(graph, costs, target, stages=4, batch=8, microbatches=8, schedule="zb-h1", recompute="never", time_limit=5)
     one = plan(graph, costs, target, stages=4, batch=8, microbatches=8, schedule="1f1b", recompute="never", time_limit=5)
-    assert all(0 < s.weight_seconds < s.backward_seconds for s in zb.stages)
+    # The first stage receives nothing its backward must return a gradient for: its B makes nothing, all is W.
+    assert zb.stages[0].weight_seconds == pytest.approx(zb.stages[0].backward_seconds)
+    assert all(0 < s.weight_seconds < s.backward_seconds for s in zb.stages[1:])
     # ZB-H1 holds k micro-batches' stash on every stage until W; 1F1B k - s until B.
     for s in zb.stages:
         assert s.memory.activations == pytest.approx(4 * s.stash_bytes)

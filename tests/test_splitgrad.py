@@ -67,3 +67,32 @@ def test_conv_and_matmul_weight_gradients_all_wait_for_w(name: str) -> None:
     splits = [split_backward(s.graphs) for s in specs if s.graphs.backward]
     assert all(sp.b_trained == () for sp in splits)
     assert sum(len(sp.w_trained) for sp in splits) == sum(len(s.graphs.trained) for s in specs)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2-tiny", "two-io"])
+def test_priced_w_is_what_the_split_leaves_to_w(name: str) -> None:
+    """The pricing's W (`pricing.stage`) follows the trainer's split: a stage whose B makes no input gradient is priced
+    with its whole backward in W, one whose B runs nodes with part of it in B."""
+    from test_train import even_plan, graph_of
+
+    from onnxpipe.cost import annotate
+    from onnxpipe.plan import evaluate
+    from onnxpipe.pricing.problem import build_problem
+    from onnxpipe.pricing.stage import Assignment
+    from onnxpipe.target import load_target
+
+    directory, manifest = stage_dir(name, 3)
+    graph = graph_of(name)
+    problem = build_problem(graph, annotate(graph), load_target("gpu4"), batch=graph.batch * M, microbatches=M, schedule="zb-h1")
+    assignment = Assignment(tuple(s.nodes for s in even_plan(graph, 3).stages), tuple((f"v100_{i}",) for i in range(3)), (False,) * 3)
+    priced = evaluate(problem, assignment)
+    specs = [s for s in prepare_stages(directory, manifest, TrainConfig(microbatches=M, optimizer=SGD)) if s.replica == 0]
+    for spec, stage in zip(specs, priced.stages):
+        if spec.graphs.backward is None:
+            continue
+        split = split_backward(spec.graphs)
+        if split.b is None:
+            assert stage.weight_seconds == pytest.approx(stage.backward_seconds), stage.index
+        else:
+            assert 0 < stage.weight_seconds < stage.backward_seconds, stage.index
+    assert split_backward(specs[0].graphs).b is None

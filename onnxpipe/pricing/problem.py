@@ -60,9 +60,10 @@ class Problem:
     #: (groups, nodes) forward and backward seconds per micro-batch.
     forward: np.ndarray
     backward: np.ndarray
-    #: (groups, nodes) the seconds of each node's backward a split backward runs in W (weight gradients): half
-    #: the backward of a node reading a weight (its weight gradient has the forward's FLOPs, its input gradient
-    #: the other half), none of FUSED_GRADIENT_OPS or of nodes without weights.
+    #: (groups, nodes) the seconds of each node's backward a split backward runs in W (weight gradients) when its B
+    #: runs the node (`pricing.stage`: a node no received tensor reaches is all W's): half the backward of a node
+    #: reading a weight (its weight gradient has the forward's FLOPs, its input gradient the other half), none of
+    #: FUSED_GRADIENT_OPS or of nodes without weights.
     weight: np.ndarray
     #: (nodes,) parameter bytes (not scaled by the batch) and activation bytes per micro-batch.
     params: np.ndarray

@@ -15,13 +15,17 @@ round-robin, so the stage delivers r times one replica's rate and its times are 
   frozen weights are only held, and have no all-reduce) all the time, plus the
   activations of the micro-batches one replica holds at once (`held`): all its activations for each
   (`activation_bytes`), or with recompute only what it received (its stash) for each plus one micro-batch's
-  activations rebuilt during a backward.
+  activations rebuilt during a backward;
+- a split backward (zero-bubble schedules): W runs the weight-gradient part of the nodes B runs (`Problem.weight`),
+  and the whole backward of the nodes no float tensor the stage receives reaches (`_reached_by_b`: B computes
+  only what the received tensors' gradients need), so a first stage's backward is all W. The solvers price
+  the fused backward; the simulator's B and W durations (so the predicted iteration) read this.
 Every function of the rule is linear in its byte and second arguments, so the solvers apply it term by term
 over their variables (the DP over prefix sums, CP-SAT per block and per tensor); the property tests hold them
 to `price` on random graphs and targets.
 
 Reading order: the rule (`held`, `state_bytes`, `activation_bytes`, `recomputed_backward`, `message_seconds`,
-`seconds_per_microbatch`) -> `Assignment`, `Memory`, `StageCost` -> `price` -> `_communication` -> `_tied`
+`seconds_per_microbatch`) -> `Assignment`, `Memory`, `StageCost` -> `price` -> `_communication` -> `_reached_by_b` -> `_tied`
 -> `stage_cost` (adds what the target charges around a stage's figures: all-reduces and fixed costs).
 """
 
@@ -32,6 +36,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from onnxpipe.graph import FLOAT_DTYPES
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.timemodel import allreduce_seconds
 from onnxpipe.target import Target
@@ -179,6 +184,7 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
     comm = _communication(problem, stage_of, groups, k)
     flights = problem.flights(k)
     tied = _tied(problem, stage_of, k) if problem.training else [((), 0.0)] * k
+    in_b = _reached_by_b(problem, stage_of) if problem.training else np.zeros(problem.n, dtype=bool)
     costs = []
     for s in range(k):
         mask = stage_of == s
@@ -186,7 +192,11 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
         recompute = assignment.recompute[s] and problem.training  # inference stashes nothing for a backward
         forward = float(max(problem.forward[g, mask].sum() for g in groups[s]) + comm.crossing[s]) / r
         backward = recomputed_backward(forward, float(max(problem.backward[g, mask].sum() for g in groups[s])) / r, recompute)
-        weight = float(max(problem.weight[g, mask].sum() for g in groups[s])) / r
+        # A split backward's W: the weight-gradient part of what B reaches, the whole backward of the rest (all of it
+        # where the stage receives no float tensor: the first stage's B makes nothing).
+        reached = mask & in_b
+        weight = (float(max(problem.weight[g, reached].sum() + problem.backward[g, mask & ~in_b].sum() for g in groups[s])) / r
+                  if reached.any() else backward)
         corun = float(max(problem.corun_forward[g, mask].sum() * (2 if recompute else 1) + problem.corun_backward[g, mask].sum()
                           for g in groups[s])) / r
         params = float(problem.params[mask].sum())
@@ -314,6 +324,25 @@ def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarr
             out_s[src] += message_seconds(latency, nbytes, replicas[src], bandwidth)
             crossing[dst] += problem.crossing_received[gb, t]
     return _Comm(in_b, out_b, in_s, out_s, stash, crossing)
+
+
+def _reached_by_b(problem: Problem, stage_of: np.ndarray) -> np.ndarray:
+    """Per node: a split backward's B runs its input-gradient part. B makes the gradients of the float tensors its stage
+    receives from other stages (`FLOAT_DTYPES`, as the trainer's `train.splitgrad` does), so it runs the nodes those
+    tensors reach within the stage; W runs the others' whole backward."""
+    reached = np.zeros(problem.n, dtype=bool)
+    tensors = problem.graph.tensors
+    for t in np.argsort(problem.tensor_producer, kind="stable"):  # producers in topological order: each node final before its tensors
+        p = int(problem.tensor_producer[t])
+        if p < 0:
+            continue
+        consumers = problem.tensor_consumers[t]
+        here = stage_of[consumers] == stage_of[p]
+        if reached[p]:
+            reached[consumers[here]] = True
+        if not here.all() and tensors[problem.tensor_names[t]].dtype in FLOAT_DTYPES:
+            reached[consumers[~here]] = True
+    return reached
 
 
 def _tied(problem: Problem, stage_of: np.ndarray, k: int) -> list[tuple[tuple[int, ...], float]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.graph import FLOAT_DTYPES
 from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.schedule import SCHEDULES, Action, Table, add_communication, build, forward_only, replicate, table
@@ -30,7 +31,6 @@ from onnxpipe.units import plural
 __all__ = ["TrainConfig", "RECOMPUTE", "prepare_stages", "prepare_single", "prepare_inference", "model_inputs", "stage_threads"]
 
 RECOMPUTE = ("auto", "always", "never")
-_FLOATS = ("float16", "float32", "float64", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
     for st in reversed(manifest.stages):
         model = models[st.index]
         recompute = st.recompute if config.recompute == "auto" else config.recompute == "always"
-        grad_inputs = [i.name for i in st.inputs if isinstance(i.source, int) and i.dtype in _FLOATS]
+        grad_inputs = [i.name for i in st.inputs if isinstance(i.source, int) and i.dtype in FLOAT_DTYPES]
         grad_outputs = [o.name for o in st.outputs if o.name in grad_readers]
         has_loss = loss in {o.name for o in model.graph.output}
         g = build_stage_graphs(
