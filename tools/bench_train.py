@@ -20,6 +20,8 @@ from pathlib import Path
 from bench_sim import Background, measure
 
 from onnxpipe import models
+from onnxpipe.cost import annotate, write_annotated
+from onnxpipe.graph import load
 from onnxpipe.schedule import virtual
 from onnxpipe.target import load_target
 from onnxpipe.train.fit import data_source
@@ -27,7 +29,7 @@ from onnxpipe.train.local import LocalPipeline
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.pipeline import Pipeline
 from onnxpipe.train.prepare import TrainConfig, prepare_single
-from onnxpipe.units import format_bytes
+from onnxpipe.units import format_bytes, plural
 from benchdoc import write_section
 
 NAME = Path(__file__).stem
@@ -68,9 +70,10 @@ def main() -> None:
     parser.add_argument("--case", action="append", default=[], metavar="NAME",
                         help="with --ray: only the cases whose label (e.g. 'resnet-tiny (batch=256)') contains NAME; printed, not written")
     parser.add_argument("--schedules", action="store_true", help="only ZB-H1 and interleaved 1F1B against 1F1B (cpu4 and cpu2)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --schedules: times each target's four runs are made in turn")
     args = parser.parse_args()
     if args.schedules:
-        section = schedule_rows(args.steps)
+        section = schedule_rows(args.steps, args.rounds)
         print(section)
         write_section(NAME + "_schedules", section)
         return
@@ -238,6 +241,10 @@ SCHEDULE_NOTE = (
 )
 
 
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
 def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: Path) -> dict:
     """bench_sim's measurement of one case (plan with profiled costs, split, `onnxpipe train DIR --json` in its own
     process with the other work's runnable processes sampled, simulate the saved plan with that background) at m
@@ -247,55 +254,68 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
 
 
-def schedule_rows(steps: int) -> str:
-    """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target, measured and simulated."""
+def schedule_rows(steps: int, rounds: int) -> str:
+    """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target, measured and simulated,
+    `rounds` times in turn, each round's plans from one profile of the model (so a ratio compares schedules, not profiles)."""
     name, knobs = SCHEDULE_MODEL
     load0 = os.getloadavg()[0]
     lines, misses, goals, total = [], [], [], 0
     held = lambda ok: "**holds**" if ok else "**MISSED**"  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="bench-train-schedules-") as tmp:
         work = Path(tmp)
+        graph = load(models.build(name, train=True, **knobs))
         for target, k in SCHEDULE_TARGETS.items():
             host = load_target(target).host
             cores = host.cores if host and host.cores else k
             bound = {m: single_process(name, m, steps, threads=1, knobs=knobs) / min(k, cores) for m in (k, 2 * k)}
-            by = {}
-            for m, schedule in ((2 * k, "1f1b"), (2 * k, "zb-h1"), (k, "1f1b"), (k, "interleaved")):
-                r = by[(schedule, m)] = schedule_run(target, k, m, schedule, steps, work)
-                one = by[("1f1b", m)]
-                total += 1
-                if abs(r["error"]) > SIM_GOAL:
-                    misses.append(f"{target} {schedule} m={m} ({r['error']:+.1%})")
-                lines.append(f"| {name} {target} k={k} m={m} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
-                             f"{r['measured'] * 1e3:.1f} | {r['measured'] / one['measured']:.2f}x | {r['quiet'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | "
-                             f"{r['error']:+.1%} | {r['bubble_measured']:.1%} | {r['bubble_measured'] / one['bubble_measured'] if one['bubble_measured'] else float('nan'):.2f}x | "
-                             f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {bound[m] * 1e3:.1f} | "
-                             f"{r['dedicated'] * 1e3:.1f} | {r['dedicated'] / one['dedicated']:.2f}x | {r['bubble_dedicated']:.1%} | "
-                             f"{r['bubble_dedicated'] / one['bubble_dedicated'] if one['bubble_dedicated'] else float('nan'):.2f}x |")
-                print(lines[-1], flush=True)
-            zb, one2, il, one1 = by[("zb-h1", 2 * k)], by[("1f1b", 2 * k)], by[("interleaved", k)], by[("1f1b", k)]
-            goals.append(f"- {target} (k={k}): ZB-H1's measured bubble at m={2 * k} is {zb['bubble_measured'] / one2['bubble_measured']:.2f}x 1F1B's "
-                         f"(goal <= {ZB_BUBBLE_GOAL}x): {held(zb['bubble_measured'] <= ZB_BUBBLE_GOAL * one2['bubble_measured'])}; interleaved 1F1B's measured step "
-                         f"at m={k} is {il['measured'] / one1['measured']:.2f}x 1F1B's (goal <= {INTERLEAVED_STEP_GOAL}x): "
-                         f"{held(il['measured'] <= INTERLEAVED_STEP_GOAL * one1['measured'])}")
-            goals.append(f"  - simulated with a core per worker: ZB-H1's bubble {zb['bubble_dedicated'] / one2['bubble_dedicated']:.2f}x 1F1B's "
-                         f"({held(zb['bubble_dedicated'] <= ZB_BUBBLE_GOAL * one2['bubble_dedicated'])}), interleaved's step "
-                         f"{il['dedicated'] / one1['dedicated']:.2f}x 1F1B's ({held(il['dedicated'] <= INTERLEAVED_STEP_GOAL * one1['dedicated'])})")
+            ratios = []
+            for turn in range(1, rounds + 1):
+                # Profiled afresh each round (the machine's speed drifts over minutes), once for the round's four runs.
+                costs = annotate(graph, profile=True, device_kind="cpu", provider=load_target(target).devices[0].provider)
+                write_annotated(graph, costs, work / f"{name}.onnx")  # what `measure` plans from
+                by = {}
+                for m, schedule in ((2 * k, "1f1b"), (2 * k, "zb-h1"), (k, "1f1b"), (k, "interleaved")):
+                    r = by[(schedule, m)] = schedule_run(target, k, m, schedule, steps, work)
+                    one = by[("1f1b", m)]
+                    total += 1
+                    if abs(r["error"]) > SIM_GOAL:
+                        misses.append(f"{target} {schedule} m={m} round {turn} ({r['error']:+.1%})")
+                    lines.append(f"| {name} {target} k={k} m={m} | {turn} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
+                                 f"{r['measured'] * 1e3:.1f} | {r['measured'] / one['measured']:.2f}x | {r['quiet'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | "
+                                 f"{r['error']:+.1%} | {r['bubble_measured']:.1%} | {_ratio(r['bubble_measured'], one['bubble_measured'])} | "
+                                 f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {bound[m] * 1e3:.1f} | "
+                                 f"{r['dedicated'] * 1e3:.1f} | {r['dedicated'] / one['dedicated']:.2f}x | {r['bubble_dedicated']:.1%} | "
+                                 f"{_ratio(r['bubble_dedicated'], one['bubble_dedicated'])} |")
+                    print(lines[-1], flush=True)
+                zb, one2, il, one1 = by[("zb-h1", 2 * k)], by[("1f1b", 2 * k)], by[("interleaved", k)], by[("1f1b", k)]
+                ratios.append({"zb": zb["bubble_measured"] / one2["bubble_measured"], "il": il["measured"] / one1["measured"],
+                               "zb_own": zb["bubble_dedicated"] / one2["bubble_dedicated"], "il_own": il["dedicated"] / one1["dedicated"],
+                               "core": one2["measured"] / bound[2 * k], "core_sim": one2["simulated"] / bound[2 * k],
+                               "zb_sim": zb["simulated"] / one2["simulated"], "il_sim": il["simulated"] / one1["simulated"]})
+            mid = {key: statistics.median(r[key] for r in ratios) for key in ratios[0]}
+            each = lambda key: ", ".join(f"{r[key]:.2f}x" for r in ratios)  # noqa: E731
+            goals.append(f"- {target} (k={k}), medians over {plural(rounds, 'round')}: ZB-H1's measured bubble at m={2 * k} is {mid['zb']:.2f}x 1F1B's "
+                         f"({each('zb')}; goal <= {ZB_BUBBLE_GOAL}x): {held(mid['zb'] <= ZB_BUBBLE_GOAL)}; interleaved 1F1B's measured step "
+                         f"at m={k} is {mid['il']:.2f}x 1F1B's ({each('il')}; goal <= {INTERLEAVED_STEP_GOAL}x): {held(mid['il'] <= INTERLEAVED_STEP_GOAL)}")
+            goals.append(f"  - simulated with a core per worker: ZB-H1's bubble {mid['zb_own']:.2f}x 1F1B's ({each('zb_own')}; "
+                         f"{held(mid['zb_own'] <= ZB_BUBBLE_GOAL)}), interleaved's step {mid['il_own']:.2f}x 1F1B's ({each('il_own')}; "
+                         f"{held(mid['il_own'] <= INTERLEAVED_STEP_GOAL)})")
             goals.append(f"  - {k} workers share {cores:g} cores' worth: whatever the schedule, at least 1 - cores/k = {max(0.0, 1 - cores / k):.1%} "
                          f"of device time has no core to compute on (1F1B's ideal bubble at m={2 * k}: {IDEAL['1f1b'](k, 2 * k):.1%}); "
-                         f"1F1B's step at m={2 * k} is {one2['measured'] / bound[2 * k]:.2f}x the core bound measured, "
-                         f"{one2['simulated'] / bound[2 * k]:.2f}x simulated; ZB-H1's simulated step is {zb['simulated'] / one2['simulated']:.2f}x 1F1B's, "
-                         f"interleaved's {il['simulated'] / one1['simulated']:.2f}x (busy {sum(il['busy_measured']) / sum(one1['busy_measured']):.2f}x measured, "
-                         f"{sum(il['busy_simulated']) / sum(one1['busy_simulated']):.2f}x simulated)")
+                         f"1F1B's step at m={2 * k} is {mid['core']:.2f}x the core bound measured, {mid['core_sim']:.2f}x simulated; "
+                         f"ZB-H1's simulated step is {mid['zb_sim']:.2f}x 1F1B's, interleaved's {mid['il_sim']:.2f}x")
     goals.append(f"- simulated within {SIM_GOAL:.0%} of every measured run: {held(not misses)} ({total - len(misses)} of {total}"
                  f"{'; beyond: ' + ', '.join(misses) if misses else ''})")
     return "\n".join([
         "## Schedules: ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
         "",
-        f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps}` ({steps} steps per run, medians after the first; "
+        f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}` ({steps} steps per run, medians after the first; "
         f"{os.cpu_count()} vCPUs; load average {load0:.1f} at the start). Model: {name} " + ", ".join(f"{a}={b}" for a, b in knobs.items())
-        + " (8 equal layers; batch = one micro-batch). Each run is bench_sim's measurement (`measure`): plan the model on the target "
-        "with that schedule (k stages; 2k for interleaved, two per device) with profiled node costs, split, train the stage directory "
+        + " (8 equal layers; batch = one micro-batch). Each target's four runs are made " + f"{rounds} times in turn (rounds); the "
+        "model is profiled at the start of each round and the round's four runs plan from those costs, and a goal's ratio is the "
+        "median of its rounds' ratios. "
+        "Each run is bench_sim's measurement (`measure`): plan the model on the target "
+        "with that schedule (k stages; 2k for interleaved, two per device) with the profiled node costs, split, train the stage directory "
         "with `onnxpipe train DIR --json` (worker processes, one per device) while sampling the other work's runnable processes "
         "(background), and simulate the saved plan alone (quiet) and with that background sharing the cores (simulated; error = "
         "simulated / measured - 1). Bubble = 1 - sum of stage busy time / (k devices x step), measured and simulated alike; "
@@ -306,8 +326,8 @@ def schedule_rows(steps: int) -> str:
         "on this host's model with as many cores as the target has devices (`bench_sim.core_per_worker`): the prediction for a "
         "machine where the workers do not share cores.",
         "",
-        "| case | schedule | load | background | measured ms | / 1F1B | simulated quiet ms | simulated ms | error | bubble measured | / 1F1B | bubble simulated | ideal | busy ms | core bound ms | a core per worker: simulated ms | / 1F1B | bubble | / 1F1B |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | round | schedule | load | background | measured ms | / 1F1B | simulated quiet ms | simulated ms | error | bubble measured | / 1F1B | bubble simulated | ideal | busy ms | core bound ms | a core per worker: simulated ms | / 1F1B | bubble | / 1F1B |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *lines,
         "",
         "Goals:",
