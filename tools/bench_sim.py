@@ -171,9 +171,11 @@ def _knob_value(raw: str) -> int | float | bool:
         return float(raw)
 
 
-def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int, work: Path, microbatches: int | None = None) -> dict:
+def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int, work: Path, microbatches: int | None = None,
+            dedicated: bool = False) -> dict:
     """Plan with profiled costs and split; train the stage directory with the CLI; simulate the saved plan
-    (`microbatches` in place of the target's 2 x devices: tools/bench_train.py --schedules)."""
+    (`microbatches` in place of the target's 2 x devices, and `dedicated`: also plan and simulate for a core per
+    worker, as `dedicated` and `bubble_dedicated`: tools/bench_train.py --schedules)."""
     k, m = SHAPES[target]
     m = microbatches or m
     path = work / f"{model_name}.onnx"
@@ -182,10 +184,11 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
     # k devices: k stages, or v per device where the schedule gives a device v (interleaved 1F1B, ZB-V).
     options = dict(stages=k * virtual(schedule), microbatches=m, schedule=schedule, optimizer="sgd", time_limit=5.0)
     graph, costs, planned_on, plan = plan_model(path, target, **options)
-    # Planned and simulated for a host with a core per worker: where the workers share fewer cores, plans of one
-    # iteration time differ in balance, and the planner's choice there says nothing of the schedule on such a host.
-    own = core_per_worker(planned_on)
-    dedicated = simulate_plan(plan_for(graph, costs, own, **options), own, schedule=schedule, microbatches=m)
+    if dedicated:
+        # Planned and simulated for a host with a core per worker: where the workers share fewer cores, plans of one
+        # iteration time differ in balance, and the planner's choice there says nothing of the schedule on such a host.
+        own = core_per_worker(planned_on)
+        alone = simulate_plan(plan_for(graph, costs, own, **options), own, schedule=schedule, microbatches=m)
     stages = work / f"{model_name}-{target}-{schedule}-{m}"
     split(graph, plan, stages, force=True)
     out = stages.with_suffix(".json")
@@ -211,13 +214,12 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
         "simulated": loaded.iteration_seconds,
         "bubble_measured": measured["bubble_fraction"],
         "bubble_simulated": loaded.bubble_fraction,
-        "dedicated": dedicated.iteration_seconds,
-        "bubble_dedicated": dedicated.bubble_fraction,
         "error_quiet": quiet.iteration_seconds / measured["step_seconds"] - 1.0,
         "error": loaded.iteration_seconds / measured["step_seconds"] - 1.0,
         "busy_measured": [st["busy_seconds"] for st in measured["stages"]],
         "busy_simulated": list(loaded.busy_seconds),
         "error_busy": sum(loaded.busy_seconds) / sum(st["busy_seconds"] for st in measured["stages"]) - 1.0,
+        **({"dedicated": alone.iteration_seconds, "bubble_dedicated": alone.bubble_fraction} if dedicated else {}),
     }
 
 

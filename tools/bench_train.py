@@ -250,7 +250,7 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
     process with the other work's runnable processes sampled, simulate the saved plan with that background) at m
     micro-batches, with the schedule's ideal bubble."""
     name, knobs = SCHEDULE_MODEL
-    return {**measure(name, knobs, target, schedule, steps, work, microbatches=m), "schedule": schedule, "m": m,
+    return {**measure(name, knobs, target, schedule, steps, work, microbatches=m, dedicated=True), "schedule": schedule, "m": m,
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
 
 
@@ -265,13 +265,13 @@ def schedule_rows(steps: int, rounds: int) -> str:
         work = Path(tmp)
         graph = load(models.build(name, train=True, **knobs))
         for target, k in SCHEDULE_TARGETS.items():
-            host = load_target(target).host
-            cores = host.cores if host and host.cores else k
+            tgt = load_target(target)
+            cores = tgt.host.cores if tgt.host and tgt.host.cores else k
             bound = {m: single_process(name, m, steps, threads=1, knobs=knobs) / min(k, cores) for m in (k, 2 * k)}
             ratios = []
             for turn in range(1, rounds + 1):
                 # Profiled afresh each round (the machine's speed drifts over minutes), once for the round's four runs.
-                costs = annotate(graph, profile=True, device_kind="cpu", provider=load_target(target).devices[0].provider)
+                costs = annotate(graph, profile=True, device_kind="cpu", provider=tgt.devices[0].provider)
                 write_annotated(graph, costs, work / f"{name}.onnx")  # what `measure` plans from
                 by = {}
                 for m, schedule in ((2 * k, "1f1b"), (2 * k, "zb-h1"), (k, "1f1b"), (k, "interleaved")):
