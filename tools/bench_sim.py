@@ -35,7 +35,7 @@ from onnxpipe.plan import plan as plan_for, plan_model
 from onnxpipe.plan.predict import plan_target, read_plan, simulate_plan
 from onnxpipe.schedule import SCHEDULES, virtual
 from onnxpipe.split import split
-from onnxpipe.target import Target
+from onnxpipe.target import Target, load_target
 from benchdoc import write_section
 
 NAME = Path(__file__).stem
@@ -176,7 +176,7 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
     """Plan with profiled costs and split; train the stage directory with the CLI; simulate the saved plan
     (`microbatches` in place of the target's 2 x devices, and `dedicated`: also plan and simulate for a core per
     worker, as `dedicated` and `bubble_dedicated`: tools/bench_train.py --schedules)."""
-    k, m = SHAPES[target]
+    k, m = shape(target)
     m = microbatches or m
     path = work / f"{model_name}.onnx"
     if not path.exists():
@@ -221,6 +221,14 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
         "error_busy": sum(loaded.busy_seconds) / sum(st["busy_seconds"] for st in measured["stages"]) - 1.0,
         **({"dedicated": alone.iteration_seconds, "bubble_dedicated": alone.bubble_fraction} if dedicated else {}),
     }
+
+
+def shape(target: str) -> tuple[int, int]:
+    """Devices and micro-batches of a target: SHAPES' for a bundled one, else its devices and twice as many."""
+    if target in SHAPES:
+        return SHAPES[target]
+    k = len(load_target(target).devices)
+    return k, 2 * k
 
 
 def core_per_worker(target: Target) -> Target:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import tempfile
 import time
@@ -71,11 +72,15 @@ def main() -> None:
                         help="with --ray: only the cases whose label (e.g. 'resnet-tiny (batch=256)') contains NAME; printed, not written")
     parser.add_argument("--schedules", action="store_true", help="only ZB-H1 and interleaved 1F1B against 1F1B (cpu4 and cpu2)")
     parser.add_argument("--rounds", type=int, default=3, help="with --schedules: times each target's four runs are made in turn")
+    parser.add_argument("--target", action="append", default=[], metavar="NAME_OR_FILE",
+                        help="with --schedules: the targets to compare on (default: cpu4 and cpu2); others than those write their own section")
     args = parser.parse_args()
     if args.schedules:
-        section = schedule_rows(args.steps, args.rounds)
+        targets = args.target or list(SCHEDULE_TARGETS)
+        section = schedule_rows(targets, args.steps, args.rounds)
         print(section)
-        write_section(NAME + "_schedules", section)
+        own = tuple(targets) != SCHEDULE_TARGETS
+        write_section(NAME + "_schedules" + ("_" + "_".join(load_target(t).name for t in targets) if own else ""), section)
         return
     if args.ray:
         section = ray_rows(args.steps, args.case)
@@ -215,8 +220,8 @@ def ray_rows(steps: int, only: list[str] | None = None) -> str:
 
 #: 8 equal layers (the input as wide as the layers): equal stages at 2, 4 and 8, as the schedules' closed-form bubbles assume.
 SCHEDULE_MODEL = ("mlp", {"layers": 8, "width": 1024, "in_features": 1024, "batch": 128})
-#: Devices per target (one worker process each).
-SCHEDULE_TARGETS = {"cpu4": 4, "cpu2": 2}
+#: The targets compared on by default (one worker process per device).
+SCHEDULE_TARGETS = ("cpu4", "cpu2")
 #: Goals: ZB-H1's bubble / 1F1B's at m = 2k; interleaved's step / 1F1B's at m = k; |simulated / measured - 1|.
 ZB_BUBBLE_GOAL, INTERLEAVED_STEP_GOAL, SIM_GOAL = 0.5, 0.9, 0.15
 #: The bubble of each schedule at equal stage times (F, B, W each a third of a 1F1B backward-and-forward pair for ZB-H1).
@@ -241,6 +246,15 @@ SCHEDULE_NOTE = (
 )
 
 
+def cpu_model() -> str:
+    """The processor's name as Linux gives it (the tables compare hosts), else the platform's."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown processor"
+
+
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
@@ -254,18 +268,20 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
 
 
-def schedule_rows(steps: int, rounds: int) -> str:
+def schedule_rows(targets: list[str], steps: int, rounds: int) -> str:
     """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target, measured and simulated,
     `rounds` times in turn, each round's plans from one profile of the model (so a ratio compares schedules, not profiles)."""
     name, knobs = SCHEDULE_MODEL
+    default = tuple(targets) == SCHEDULE_TARGETS
     load0 = os.getloadavg()[0]
     lines, misses, goals, total = [], [], [], 0
     held = lambda ok: "**holds**" if ok else "**MISSED**"  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="bench-train-schedules-") as tmp:
         work = Path(tmp)
         graph = load(models.build(name, train=True, **knobs))
-        for target, k in SCHEDULE_TARGETS.items():
+        for target in targets:
             tgt = load_target(target)
+            k = len(tgt.devices)
             cores = tgt.host.cores if tgt.host and tgt.host.cores else k
             bound = {m: single_process(name, m, steps, threads=1, knobs=knobs) / min(k, cores) for m in (k, 2 * k)}
             ratios = []
@@ -279,8 +295,8 @@ def schedule_rows(steps: int, rounds: int) -> str:
                     one = by[("1f1b", m)]
                     total += 1
                     if abs(r["error"]) > SIM_GOAL:
-                        misses.append(f"{target} {schedule} m={m} round {turn} ({r['error']:+.1%})")
-                    lines.append(f"| {name} {target} k={k} m={m} | {turn} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
+                        misses.append(f"{tgt.name} {schedule} m={m} round {turn} ({r['error']:+.1%})")
+                    lines.append(f"| {name} {tgt.name} k={k} m={m} | {turn} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
                                  f"{r['measured'] * 1e3:.1f} | {r['measured'] / one['measured']:.2f}x | {r['quiet'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | "
                                  f"{r['error']:+.1%} | {r['bubble_measured']:.1%} | {_ratio(r['bubble_measured'], one['bubble_measured'])} | "
                                  f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {bound[m] * 1e3:.1f} | "
@@ -294,7 +310,7 @@ def schedule_rows(steps: int, rounds: int) -> str:
                                "zb_sim": zb["simulated"] / one2["simulated"], "il_sim": il["simulated"] / one1["simulated"]})
             mid = {key: statistics.median(r[key] for r in ratios) for key in ratios[0]}
             each = lambda key: ", ".join(f"{r[key]:.2f}x" for r in ratios)  # noqa: E731
-            goals.append(f"- {target} (k={k}), medians over {plural(rounds, 'round')}: ZB-H1's measured bubble at m={2 * k} is {mid['zb']:.2f}x 1F1B's "
+            goals.append(f"- {tgt.name} (k={k}), medians over {plural(rounds, 'round')}: ZB-H1's measured bubble at m={2 * k} is {mid['zb']:.2f}x 1F1B's "
                          f"({each('zb')}; goal <= {ZB_BUBBLE_GOAL}x): {held(mid['zb'] <= ZB_BUBBLE_GOAL)}; interleaved 1F1B's measured step "
                          f"at m={k} is {mid['il']:.2f}x 1F1B's ({each('il')}; goal <= {INTERLEAVED_STEP_GOAL}x): {held(mid['il'] <= INTERLEAVED_STEP_GOAL)}")
             goals.append(f"  - simulated with a core per worker: ZB-H1's bubble {mid['zb_own']:.2f}x 1F1B's ({each('zb_own')}; "
@@ -309,8 +325,9 @@ def schedule_rows(steps: int, rounds: int) -> str:
     return "\n".join([
         "## Schedules: ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
         "",
-        f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}` ({steps} steps per run, medians after the first; "
-        f"{os.cpu_count()} vCPUs; load average {load0:.1f} at the start). Model: {name} " + ", ".join(f"{a}={b}" for a, b in knobs.items())
+        f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}"
+        + ("".join(f" --target {t}" for t in targets) if not default else "") + f"` ({steps} steps per run, medians after the first; "
+        f"{os.cpu_count()} vCPUs, {cpu_model()}; load average {load0:.1f} at the start). Model: {name} " + ", ".join(f"{a}={b}" for a, b in knobs.items())
         + " (8 equal layers; batch = one micro-batch). Each target's four runs are made " + f"{rounds} times in turn (rounds); the "
         "model is profiled at the start of each round and the round's four runs plan from those costs, and a goal's ratio is the "
         "median of its rounds' ratios. "
@@ -332,8 +349,7 @@ def schedule_rows(steps: int, rounds: int) -> str:
         "",
         "Goals:",
         *goals,
-        "",
-        SCHEDULE_NOTE,
+        *(["", SCHEDULE_NOTE] if default else []),
     ])
 
 
