@@ -96,3 +96,30 @@ def test_priced_w_is_what_the_split_leaves_to_w(name: str) -> None:
         else:
             assert 0 < stage.weight_seconds < stage.backward_seconds, stage.index
     assert split_backward(specs[0].graphs).b is None
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet-tiny"])
+def test_a_first_layer_is_priced_with_its_weight_gradients_alone(name: str) -> None:
+    """No stage's backward makes a gradient of a model input (the trainer asks none), so a node reading a trained
+    weight and otherwise only model inputs (the first Gemm, the first Conv) is priced with its weight-gradient half
+    (all of it W); a node reading what another computes keeps its input-gradient half too."""
+    from test_train import graph_of
+
+    from onnxpipe.cost import annotate
+    from onnxpipe.pricing.problem import build_problem
+    from onnxpipe.target import load_target
+
+    directory, manifest = stage_dir(name, 3)
+    graph = graph_of(name)
+    specs = prepare_stages(directory, manifest, TrainConfig(microbatches=M, optimizer=SGD))
+    assert not {g for s in specs for g in s.graphs.grad_inputs} & set(graph.inputs)
+    problem = build_problem(graph, annotate(graph), load_target("gpu4"), batch=graph.batch * M, microbatches=M, schedule="zb-h1")
+    fed, computed = [], []
+    for i, node in enumerate(problem.nodes):
+        reads = set(graph.node_inputs(node))
+        if graph.node(node).op_type in ("Gemm", "Conv") and reads & set(graph.trained):
+            (fed if reads & set(graph.inputs) else computed).append(i)
+    assert len(fed) == 1 and computed
+    assert problem.backward[0, fed[0]] == pytest.approx(problem.weight[0, fed[0]]) and problem.backward[0, fed[0]] > 0
+    for i in computed:
+        assert problem.backward[0, i] == pytest.approx(2 * problem.weight[0, i])
