@@ -323,7 +323,7 @@ def schedule_rows(targets: list[str], steps: int, rounds: int) -> str:
     goals.append(f"- simulated within {SIM_GOAL:.0%} of every measured run: {held(not misses)} ({total - len(misses)} of {total}"
                  f"{'; beyond: ' + ', '.join(misses) if misses else ''})")
     return "\n".join([
-        "## Schedules: ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
+        "## Schedules" + ("" if default else " on " + ", ".join(load_target(t).name for t in targets)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}"
         + ("".join(f" --target {t}" for t in targets) if not default else "") + f"` ({steps} steps per run, medians after the first; "
