@@ -81,6 +81,15 @@ def test_bundled_target_loads(name: str) -> None:
                 assert transfer_seconds(target, a, b, 1e6) > 0
 
 
+@pytest.mark.parametrize("path", sorted(str(p) for p in (Path(__file__).parents[1] / "tools").glob("*.toml")))
+def test_benchmark_target_files_load(path: str) -> None:
+    """The target files the benchmarks name by path (e.g. `bench_train.py --schedules --target tools/cpu4_vm16.toml`)
+    load as a user's would, each a cpu target with a host model (its measured per-message CPU)."""
+    target = load_target(path)
+    assert target.devices and all(d.kind == "cpu" for d in target.devices) and target.profile
+    assert target.host is not None and target.host.messages
+
+
 def test_bundled_figures() -> None:
     fpga, gpu, hetero = load_target("fpga4"), load_target("gpu4"), load_target("hetero")
     assert [d.name for d in fpga.devices] == ["u280_0", "u280_1", "u280_2", "u280_3"]
