@@ -2,10 +2,11 @@
 on the same cores, measured bubble against (k-1)/(m+k-1) (1F1B, and ZB-H1 beside it), transfer share of a step, and 1F1B vs GPipe
 peak activation memory per stage. Prints the table and rewrites its section of docs/benchmarks.md.
 
-Run: .venv/bin/python tools/bench_train.py [--steps N] [--ray [--case NAME ...]] [--schedules]   (--ray: the Ray backend's
+Run: .venv/bin/python tools/bench_train.py [--steps N] [--ray [--case NAME ...]] [--schedules [--target T ...]]   (--ray: the Ray backend's
 step time over the local backend's for the same plan, its own section; --case: only the --ray cases whose label contains
 NAME, printed and not written; --schedules: ZB-H1 and interleaved 1F1B against 1F1B at the
-same m on cpu4 and cpu2, measured and simulated, its own section)
+same m on cpu4 and cpu2, measured and simulated, its own section; --target: on other cpu targets, by name or file, e.g.
+tools/cpu4_vm16.toml on a host with a vCPU per worker, a section of their own)
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def ray_rows(steps: int, only: list[str] | None = None) -> str:
 
 # --- ZB-H1 and interleaved 1F1B against 1F1B (`--schedules TARGET`) ------------------------------
 
-#: 8 equal layers (the input as wide as the layers): equal stages at 2, 4 and 8, as the schedules' closed-form bubbles assume.
+#: 8 equal layers (the input as wide as the layers): equal forwards at 2, 4 and 8 stages, as the schedules' closed-form bubbles
+#: assume; the first stage's backward is lighter (no gradient of the model's input).
 SCHEDULE_MODEL = ("mlp", {"layers": 8, "width": 1024, "in_features": 1024, "batch": 128})
 #: The targets compared on by default (one worker process per device).
 SCHEDULE_TARGETS = ("cpu4", "cpu2")
