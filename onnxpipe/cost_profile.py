@@ -349,7 +349,9 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     """The model plus a scalar loss and its gradient graph, None when onnxruntime cannot build one."""
     floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
     used = {t for n in graph.compute_nodes for t in graph.node_inputs(n)}
-    wanted = {p for p in graph.trained if p in used} | {i for i in graph.inputs if np.issubdtype(np.dtype(graph.tensors[i].dtype), np.floating)}
+    # The gradients training makes: of trained weights, never of a model input (the trainer asks none; a first layer
+    # makes its weight gradient alone, as `cost._gradient_tensors` prices it).
+    wanted = {p for p in graph.trained if p in used}
     if not floats or not wanted or model.ByteSize() >= _TWO_GB:
         return None
     lossy = onnx.ModelProto()

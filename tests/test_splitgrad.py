@@ -99,27 +99,28 @@ def test_priced_w_is_what_the_split_leaves_to_w(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet-tiny"])
-def test_a_first_layer_is_priced_with_its_weight_gradients_alone(name: str) -> None:
-    """No stage's backward makes a gradient of a model input (the trainer asks none), so a node reading a trained
-    weight and otherwise only model inputs (the first Gemm, the first Conv) is priced with its weight-gradient half
-    (all of it W); a node reading what another computes keeps its input-gradient half too."""
+def test_no_gradient_of_a_model_input_is_made_or_priced(name: str) -> None:
+    """Training makes no gradient of a model input: no stage's backward returns one, the profile's gradient graph asks
+    none, and the FLOP rule gives a first Gemm or Conv its weight gradient alone (one GEMM; two for those after it)."""
     from test_train import graph_of
 
     from onnxpipe.cost import annotate
-    from onnxpipe.pricing.problem import build_problem
-    from onnxpipe.target import load_target
+    from onnxpipe.cost_profile import _training_model
 
     directory, manifest = stage_dir(name, 3)
     graph = graph_of(name)
     specs = prepare_stages(directory, manifest, TrainConfig(microbatches=M, optimizer=SGD))
     assert not {g for s in specs for g in s.graphs.grad_inputs} & set(graph.inputs)
-    problem = build_problem(graph, annotate(graph), load_target("gpu4"), batch=graph.batch * M, microbatches=M, schedule="zb-h1")
+    profiled = _training_model(graph, graph.model)
+    assert profiled is not None
+    made = {o.name for o in profiled.graph.output}
+    assert any(o.endswith("_grad") for o in made) and not {f"{i}_grad" for i in graph.inputs} & made
+    costs = annotate(graph)
     fed, computed = [], []
-    for i, node in enumerate(problem.nodes):
+    for node in graph.compute_nodes:
         reads = set(graph.node_inputs(node))
         if graph.node(node).op_type in ("Gemm", "Conv") and reads & set(graph.trained):
-            (fed if reads & set(graph.inputs) else computed).append(i)
+            (fed if reads & set(graph.inputs) else computed).append(costs.nodes[node])
     assert len(fed) == 1 and computed
-    assert problem.backward[0, fed[0]] == pytest.approx(problem.weight[0, fed[0]]) and problem.backward[0, fed[0]] > 0
-    for i in computed:
-        assert problem.backward[0, i] == pytest.approx(2 * problem.weight[0, i])
+    assert fed[0].backward_flops == pytest.approx(fed[0].flops) and fed[0].flops > 0
+    assert all(c.backward_flops == pytest.approx(2 * c.flops) for c in computed)

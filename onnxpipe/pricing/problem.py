@@ -18,7 +18,7 @@ from onnxpipe import schedule as schedules
 from onnxpipe.cost import Costs, NodeCost, weight_owners
 from onnxpipe.cost_layout import NCHWC
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.graph import FLOAT_DTYPES, Graph
+from onnxpipe.graph import Graph
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.quantized import dequantized_source
 from onnxpipe.target import Device, Target
@@ -224,7 +224,7 @@ def build_problem(
     node_costs = [costs.nodes[n] for n in nodes]
     scaled = [_scaled(_inference_form(c) if mode == "inference" else c, scale) for c in node_costs]
     forward = np.array([[node_seconds(target.device(members[g][0]), c, dtype) for c in scaled] for g in groups], dtype=float).reshape(len(groups), len(nodes))
-    whole = np.array(
+    backward = np.array(
         [[node_seconds(target.device(members[g][0]), c, dtype, backward=True) for c in scaled] for g in groups], dtype=float
     ).reshape(len(groups), len(nodes))
     # Weights whole at any micro-batch size: read in forward; read again and their gradient written in backward.
@@ -233,7 +233,6 @@ def build_problem(
     params = np.array([c.param_bytes for c in node_costs], dtype=float)
     trained = np.maximum(params - _frozen_bytes(graph, nodes), 0.0)
     weighted = np.array([float(p > 0 and graph.node(n).op_type not in FUSED_GRADIENT_OPS) for n, p in zip(nodes, params)])
-    backward = _without_input_gradients(graph, nodes, whole, weighted)
     activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
     names, producer, nbytes, consumers = _tensors(graph, nodes, scale)
     bandwidth = np.full((len(groups), len(groups)), np.inf)
@@ -264,7 +263,7 @@ def build_problem(
         group_devices=tuple(tuple(members[g]) for g in groups),
         forward=forward,
         backward=backward if mode == "training" else np.zeros_like(backward),
-        weight=np.minimum(whole * weighted / 2, backward) if mode == "training" else np.zeros_like(backward),
+        weight=backward * weighted / 2 if mode == "training" else np.zeros_like(backward),
         params=params,
         activations=activations,
         trained=trained,
@@ -284,28 +283,6 @@ def build_problem(
         mode=mode,
         max_latency=max_latency,
     )
-
-
-def _without_input_gradients(graph: Graph, nodes: tuple[str, ...], backward: np.ndarray, weighted: np.ndarray) -> np.ndarray:
-    """The backward less the input gradients training never makes. The costs time each node's whole backward (the
-    profile asks for the model's float inputs' gradients too), but the trainer asks for gradients of trained weights
-    and of float tensors other stages send, never of the model's inputs: a node reading a trained weight whose other
-    float inputs are all model inputs (a first layer on the pixels or features) makes its weights' gradients alone,
-    `weight`'s half. Fused gradient nodes (FUSED_GRADIENT_OPS) run whole, and nodes without trained weights or without
-    float inputs (an embedding's Gather) keep their backward."""
-    compute = set(graph.compute_nodes)
-    inputs = set(graph.inputs)
-    trained = set(graph.trained)
-    for name in graph.order:  # trained weights seen through constant chains (a transpose of a tied embedding) too
-        if name not in compute and any(t in trained for t in graph.node_inputs(name)):
-            trained.update(o for o in graph.node(name).output if o)
-    keep = np.empty(len(nodes))
-    for i, name in enumerate(nodes):
-        reads = graph.node_inputs(name)
-        floats = [t for t in reads if t not in trained and (t not in graph.tensors or graph.tensors[t].dtype in FLOAT_DTYPES)]
-        fed = floats and all(t in inputs for t in floats)  # only the model's float inputs besides its weights
-        keep[i] = 0.5 if weighted[i] and fed and any(t in trained for t in reads) else 1.0
-    return backward * keep
 
 
 def _frozen_bytes(graph: Graph, nodes: tuple[str, ...]) -> np.ndarray:
