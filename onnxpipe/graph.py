@@ -161,6 +161,11 @@ class Graph:
         gradient, optimizer state and an all-reduce. Other weights (int8, constant fills, BatchNorm statistics) are only held."""
         return tuple(sorted(trained_initializers(self.model.graph) & self.initializers))
 
+    @property
+    def sequences(self) -> frozenset[str]:
+        """Values typed as sequences of tensors (a SplitToSequence's output, say)."""
+        return frozenset(vi.name for vi in _value_infos(self.model) if vi.type.HasField("sequence_type"))
+
     def producer(self, tensor: str) -> str | None:
         """The node producing a tensor, None for graph inputs and initializers."""
         return self._producers().get(tensor)

@@ -65,3 +65,40 @@ def test_the_cli_trains_the_unoptimized_export_from_an_npz(tmp_path: Path) -> No
                           "--data", "data.npz", "--shapes-by-running", "--json", "out.json"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr
     np.testing.assert_allclose(json.loads((tmp_path / "out.json").read_text())["losses"], REFERENCE["losses"], rtol=1e-5)
+
+
+def test_no_plan_cuts_a_sequence_it_trains() -> None:
+    """A cut between SplitToSequence and its SequenceAt readers hands the next stage a sequence, which has no
+    gradient (a CI run's plan once made one, and training failed): in training no solver block starts inside the
+    pattern, so no plan cuts it; served, the sequence may cross a cut."""
+    from onnxpipe.cost import annotate
+    from onnxpipe.graph import load
+    from onnxpipe.plan import baselines, build_problem
+    from onnxpipe.plan.baselines import balanced_cuts
+    from onnxpipe.plan.coarsen import coarsen, refine
+    from onnxpipe.plan.solve import solve
+    from onnxpipe.target import load_target
+
+    graph = load(DATA / "torch_gpt2_unoptimized.onnx", {"batch": REFERENCE["batch"]}, shapes_by_running=True)
+    costs, target = annotate(graph), load_target("cpu4")
+    trained = build_problem(graph, costs, target, batch=REFERENCE["batch"], microbatches=2)
+    served = build_problem(graph, costs, target, batch=REFERENCE["batch"], microbatches=2, mode="inference")
+    position = {n: i for i, n in enumerate(trained.nodes)}
+    patterns = [(n, graph.consumers(graph.node(n).output[0])) for n in trained.nodes if graph.node(n).op_type == "SplitToSequence"]
+    inside = {g for n, readers in patterns for g in range(position[n] + 1, max(position[r] for r in readers) + 1)}
+    assert len(patterns) == 2 and inside
+    nodes = coarsen(trained, trained.n)
+    assert not inside & set(nodes.starts.tolist())
+    cut_everywhere = np.arange(trained.n) % 2  # a stage change at every gap: refine splits every block it can
+    assert not inside & set(refine(trained, nodes, cut_everywhere).starts.tolist())
+    assert inside <= set(coarsen(served, served.n).starts.tolist())
+    for gap in inside:  # weights whose balanced cut is `gap`: the baselines' cut moves past the pattern
+        weights = np.zeros(trained.n)
+        weights[[gap - 1, -1]] = 1
+        assert balanced_cuts(weights, 2, np.zeros(trained.n + 1, bool))[1] == gap
+        after = next(g for g in range(gap, trained.n + 1) if g not in inside)
+        assert balanced_cuts(weights, 2, trained.sealed)[1] == after
+    for stages in (2, 3, 4):
+        for name, plan in [("planner", solve(trained, stages, time_limit=10)), *baselines(trained, stages).items()]:
+            stage_of = {n: i for i, s in enumerate(plan.stages) for n in s.nodes}
+            assert all(stage_of[r] == stage_of[n] for n, readers in patterns for r in readers), (name, stages)

@@ -33,7 +33,7 @@ def baselines(
         ("uniform-layers", layers if layers.sum() >= stages else np.ones(problem.n)),
         ("parameters", problem.params if (problem.params > 0).sum() >= stages else np.ones(problem.n)),
     ):
-        cuts = balanced_cuts(weights, stages)
+        cuts = balanced_cuts(weights, stages, problem.sealed)
         if cuts is not None:
             nodes = tuple(problem.nodes[a:b] for a, b in zip(cuts[:-1], cuts[1:]))
             found[name] = with_recompute(problem, nodes, devices, recompute, name, bounds)
@@ -48,17 +48,19 @@ def baselines(
     return found
 
 
-def balanced_cuts(weights: np.ndarray, stages: int) -> list[int] | None:
-    """Cut positions giving each of `stages` runs about equal weight, every run non-empty."""
+def balanced_cuts(weights: np.ndarray, stages: int, sealed: np.ndarray) -> list[int] | None:
+    """Cut positions giving each of `stages` runs about equal weight, every run non-empty; a cut that would take a
+    sealed gap (`Problem.sealed`) moves to the next open one."""
     n = len(weights)
-    if n < stages:
+    gaps = np.flatnonzero(~sealed)
+    if len(gaps) <= stages:
         return None
     cumulative = np.cumsum(weights)
     total = cumulative[-1]
     cuts = [0]
     for s in range(1, stages):
-        at = int(np.searchsorted(cumulative, total * s / stages, side="left")) + 1
-        cuts.append(min(max(at, cuts[-1] + 1), n - (stages - s)))
+        at = max(int(np.searchsorted(cumulative, total * s / stages, side="left")) + 1, cuts[-1] + 1)
+        cuts.append(int(gaps[min(int(np.searchsorted(gaps, at)), len(gaps) - 1 - (stages - s))]))
     cuts.append(n)
     return cuts
 

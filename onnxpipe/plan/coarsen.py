@@ -9,6 +9,8 @@ the first of them was an accident of the window; the layer's end makes coarse st
 user reads the model. It never costs bytes (a module boundary wins only among gaps that carry equally few),
 and refinement still moves every cut node by node, so no plan the blocks miss is lost for that reason.
 
+No block starts at a sealed gap (`Problem.sealed`: a sequence live across it in training), so no solver cuts one.
+
 Rounding a cut of the node-level problem that falls inside a block to that block's nearer boundary
 (by work) moves at most `rounding_seconds` of work onto a stage: what coarsening can cost in compute
 (boundary traffic aside).
@@ -83,7 +85,7 @@ def coarsen(problem: Problem, max_blocks: int) -> Blocks:
     else:
         work = (problem.forward + problem.backward).mean(axis=0)
         cumulative = np.concatenate([[0.0], np.cumsum(work)])
-        live = live_bytes(problem)
+        live = np.where(problem.sealed, np.inf, live_bytes(problem))
         depth = boundary_depths(problem.graph, problem.nodes)
         target = cumulative[-1] / max_blocks
         cuts = [0]
@@ -117,6 +119,8 @@ def refine(problem: Problem, blocks: Blocks, node_stage: np.ndarray) -> Blocks:
 
 
 def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
+    starts = starts[~problem.sealed[starts]]
+
     def sums(values: np.ndarray) -> np.ndarray:
         return np.add.reduceat(values, starts[:-1], axis=-1)
 

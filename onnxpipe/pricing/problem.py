@@ -78,6 +78,8 @@ class Problem:
     tensor_producer: np.ndarray
     tensor_bytes: np.ndarray
     tensor_consumers: tuple[np.ndarray, ...]
+    #: (nodes + 1,) the gaps of the order no stage boundary may take (`_sealed`); the solvers' blocks never start at one.
+    sealed: np.ndarray
     #: (groups, tensors) forward seconds per micro-batch a stage on the group's devices spends because the tensor
     #: crosses a cut: the sending stage (once per tensor) and each receiving stage. Compute, not link time:
     #: - in inference on cpu devices, reordering it out of and into onnxruntime's blocked layout (`cost_layout`),
@@ -271,6 +273,7 @@ def build_problem(
         tensor_producer=producer,
         tensor_bytes=nbytes,
         tensor_consumers=consumers,
+        sealed=_sealed(graph, len(nodes), names, producer, consumers, mode),
         crossing_sent=sent,
         crossing_received=received,
         dequantized=dequantized,
@@ -283,6 +286,20 @@ def build_problem(
         mode=mode,
         max_latency=max_latency,
     )
+
+
+def _sealed(graph: Graph, n: int, names: tuple[str, ...], producer: np.ndarray, consumers: tuple[np.ndarray, ...], mode: str) -> np.ndarray:
+    """In training, the gaps a sequence is live across. A cut hands tensors forward and their gradients back, and
+    a sequence has no gradient in onnxruntime-training: its SplitToSequence + SequenceAt trains only as the Split
+    a stage file holding the whole pattern is rewritten to (`rewrites`)."""
+    gaps = np.zeros(n + 1, dtype=np.int64)
+    if mode == "training":
+        sequences = graph.sequences
+        for t, name in enumerate(names):
+            if name in sequences and producer[t] >= 0:
+                gaps[producer[t] + 1] += 1
+                gaps[consumers[t][-1] + 1] -= 1
+    return np.cumsum(gaps) > 0
 
 
 def _frozen_bytes(graph: Graph, nodes: tuple[str, ...]) -> np.ndarray:
