@@ -155,9 +155,10 @@ def gradient_model(model: bytes, loss: str, trained: set[str]):  # -> onnx.Model
 
 
 def ort_reason(exc: BaseException) -> str:
-    """The reason in an onnxruntime error: its first line, after the source location and status code (separated by " : ")."""
+    """The reason in an onnxruntime error: its first line after the source location and status code (separated by " : "),
+    or after a failed check's source location, C++ signature and condition (which end "was false. ")."""
     lines = str(exc).strip().splitlines()
-    return lines[0].split(" : ")[-1][:300] if lines else type(exc).__name__
+    return lines[0].split(" : ")[-1].split(" was false. ")[-1][:300] if lines else type(exc).__name__
 
 
 def complete_optional_outputs(graph) -> None:  # graph: onnx.GraphProto

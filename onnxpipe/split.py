@@ -38,6 +38,7 @@ from onnxpipe.units import plural
 if TYPE_CHECKING:  # the planner package pulls in the solver; splitting a given plan does not need it
     from onnxpipe.cost import Costs
     from onnxpipe.plan.result import Plan
+    from onnxpipe.pricing.problem import Problem
     from onnxpipe.target import Target
 
 __all__ = ["split", "cut_stages", "plan_cuts", "annotate_stages", "STAGE_METADATA_KEY", "RECOMPUTE_POLICIES"]
@@ -422,6 +423,7 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
         raise OnnxpipeError(f"--cuts: {len(groups)} stages need {len(groups)} devices; target {target.name} has {len(target.devices)}, give fewer cuts")
     problem = build_problem(graph, costs, target, batch=batch or graph.batch * microbatches, microbatches=microbatches,
                             schedule=schedule, optimizer=optimizer, mode=mode)
+    _ensure_no_sealed_cut(problem, cuts, groups)
     devices = tuple((d.name,) for d in target.devices[: len(groups)])
     plan = evaluate(problem, Assignment(groups, devices, (recompute == "always",) * len(groups)))
     if recompute == "auto":
@@ -429,6 +431,17 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
         if any(over):
             plan = evaluate(problem, Assignment(groups, devices, over))
     return plan
+
+
+def _ensure_no_sealed_cut(problem: Problem, cuts: Sequence[str], groups: tuple[tuple[str, ...], ...]) -> None:
+    """A hand cut where a sequence is live in training (`Problem.sealed`) is refused, naming the sequence: the planner never makes one."""
+    gaps = np.cumsum([len(g) for g in groups[:-1]])
+    for tensor, gap in zip(cuts, gaps):
+        if problem.sealed[gap]:
+            live = next(name for t, name in enumerate(problem.tensor_names) if name in problem.graph.sequences
+                        and problem.tensor_producer[t] < gap <= problem.tensor_consumers[t][-1])
+            raise OnnxpipeError(f"--cuts: the cut after '{tensor}' hands the next stage sequence '{live}', which has no gradient to send back "
+                                "in training; cut before the sequence's producer or after its last reader, or plan without --cuts")
 
 
 def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:

@@ -102,3 +102,34 @@ def test_no_plan_cuts_a_sequence_it_trains() -> None:
         for name, plan in [("planner", solve(trained, stages, time_limit=10)), *baselines(trained, stages).items()]:
             stage_of = {n: i for i, s in enumerate(plan.stages) for n in s.nodes}
             assert all(stage_of[r] == stage_of[n] for n, readers in patterns for r in readers), (name, stages)
+
+
+def test_a_hand_cut_through_a_sequence_is_refused_in_training_and_kept_in_inference(tmp_path: Path) -> None:
+    """`split --cuts` at a SplitToSequence's output would leave the next stage a sequence with no gradient: one line
+    naming the sequence and the way out, no directory. Served, the same cut is a valid split."""
+    import subprocess
+    import sys
+
+    def split(*options: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "onnxpipe", "split", str(DATA / "torch_gpt2_unoptimized.onnx"), "-t", "fpga4", "--cuts", "split_1",
+                               "--dim", f"batch={REFERENCE['batch']}", "--shapes-by-running", *options], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+
+    refused = split("-o", "trained")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--cuts: the cut after 'split_1' hands the next stage sequence 'split_1', which has no gradient to send back in training" in refused.stderr
+    assert not (tmp_path / "trained").exists()
+    served = split("--mode", "inference", "-o", "served")
+    assert served.returncode == 0, served.stderr
+    assert any(i.type.HasField("sequence_type") for i in onnx.load(str(tmp_path / "served" / "stage_1.onnx")).graph.input)
+
+
+def test_a_failed_onnxruntime_check_reads_as_its_message() -> None:
+    """onnxruntime's failed checks lead with a source location and a C++ signature that filled the whole line we show."""
+    from onnxpipe.ortutil import ort_reason
+
+    raised = RuntimeError("/onnxruntime_src/orttraining/orttraining/core/graph/gradient_builder_registry.cc:29 onnxruntime::training::GradientDef "
+                          "onnxruntime::training::GetGradientForOp(const onnxruntime::training::GradientGraphConfiguration&, onnxruntime::Graph*, "
+                          "const std::unordered_set<std::__cxx11::basic_string<char> >&) gradient_builder != nullptr was false. "
+                          "The gradient builder has not been registered: SequenceAt for node n0_4")
+    assert ort_reason(raised) == "The gradient builder has not been registered: SequenceAt for node n0_4"
+    assert ort_reason(RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Load model failed\nmore")) == "Load model failed"
