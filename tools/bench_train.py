@@ -78,10 +78,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.schedules:
         targets = args.target or list(SCHEDULE_TARGETS)
-        section = schedule_rows(targets, args.steps, args.rounds)
+        names = [load_target(t).name for t in targets]
+        section = schedule_rows(targets, names, args.steps, args.rounds)
         print(section)
-        own = tuple(targets) != SCHEDULE_TARGETS
-        write_section(NAME + "_schedules" + ("_" + "_".join(load_target(t).name for t in targets) if own else ""), section)
+        write_section(NAME + "_schedules" + ("" if tuple(targets) == SCHEDULE_TARGETS else "_" + "_".join(names)), section)
         return
     if args.ray:
         section = ray_rows(args.steps, args.case)
@@ -270,9 +270,10 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
 
 
-def schedule_rows(targets: list[str], steps: int, rounds: int) -> str:
-    """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target, measured and simulated,
-    `rounds` times in turn, each round's plans from one profile of the model (so a ratio compares schedules, not profiles)."""
+def schedule_rows(targets: list[str], names: list[str], steps: int, rounds: int) -> str:
+    """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target (`names`: theirs, for the
+    heading), measured and simulated, `rounds` times in turn, each round's plans from one profile of the model (so a
+    ratio compares schedules, not profiles)."""
     name, knobs = SCHEDULE_MODEL
     default = tuple(targets) == SCHEDULE_TARGETS
     load0 = os.getloadavg()[0]
@@ -325,7 +326,7 @@ def schedule_rows(targets: list[str], steps: int, rounds: int) -> str:
     goals.append(f"- simulated within {SIM_GOAL:.0%} of every measured run: {held(not misses)} ({total - len(misses)} of {total}"
                  f"{'; beyond: ' + ', '.join(misses) if misses else ''})")
     return "\n".join([
-        "## Schedules" + ("" if default else " on " + ", ".join(load_target(t).name for t in targets)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
+        "## Schedules" + ("" if default else " on " + ", ".join(names)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}"
         + ("".join(f" --target {t}" for t in targets) if not default else "") + f"` ({steps} steps per run, medians after the first; "

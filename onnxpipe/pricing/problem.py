@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -115,6 +115,11 @@ class Problem:
     @property
     def n(self) -> int:
         return len(self.nodes)
+
+    @cached_property
+    def tensors_by_producer(self) -> np.ndarray:
+        """Tensor indices, their producers in topological order (model inputs first): pricing walks them once per plan."""
+        return np.argsort(self.tensor_producer, kind="stable")
 
     @property
     def device_count(self) -> int:

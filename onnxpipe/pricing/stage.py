@@ -332,7 +332,7 @@ def _reached_by_b(problem: Problem, stage_of: np.ndarray) -> np.ndarray:
     tensors reach within the stage; W runs the others' whole backward."""
     reached = np.zeros(problem.n, dtype=bool)
     tensors = problem.graph.tensors
-    for t in np.argsort(problem.tensor_producer, kind="stable"):  # producers in topological order: each node final before its tensors
+    for t in problem.tensors_by_producer:  # each node final before its tensors
         p = int(problem.tensor_producer[t])
         if p < 0:
             continue
