@@ -438,7 +438,8 @@ def _ensure_no_sealed_cut(problem: Problem, cuts: Sequence[str], groups: tuple[t
     gaps = np.cumsum([len(g) for g in groups[:-1]])
     for tensor, gap in zip(cuts, gaps):
         if problem.sealed[gap]:
-            live = next(name for t, name in enumerate(problem.tensor_names) if name in problem.graph.sequences
+            sequences = problem.graph.sequences
+            live = next(name for t, name in enumerate(problem.tensor_names) if name in sequences
                         and problem.tensor_producer[t] < gap <= problem.tensor_consumers[t][-1])
             raise OnnxpipeError(f"--cuts: the cut after '{tensor}' hands the next stage sequence '{live}', which has no gradient to send back "
                                 "in training; cut before the sequence's producer or after its last reader, or plan without --cuts")

@@ -25,7 +25,7 @@ from onnxpipe import models
 from onnxpipe.cost import annotate, write_annotated
 from onnxpipe.graph import load
 from onnxpipe.schedule import virtual
-from onnxpipe.target import load_target
+from onnxpipe.target import Target, load_target
 from onnxpipe.train.fit import data_source
 from onnxpipe.train.local import LocalPipeline
 from onnxpipe.train.optimizer import OptimizerConfig
@@ -78,10 +78,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.schedules:
         targets = args.target or list(SCHEDULE_TARGETS)
-        names = [load_target(t).name for t in targets]
-        section = schedule_rows(targets, names, args.steps, args.rounds)
+        loaded = [load_target(t) for t in targets]
+        section = schedule_rows(targets, loaded, args.steps, args.rounds)
         print(section)
-        write_section(NAME + "_schedules" + ("" if tuple(targets) == SCHEDULE_TARGETS else "_" + "_".join(names)), section)
+        write_section(NAME + "_schedules" + ("" if tuple(targets) == SCHEDULE_TARGETS else "_" + "_".join(t.name for t in loaded)), section)
         return
     if args.ray:
         section = ray_rows(args.steps, args.case)
@@ -270,9 +270,9 @@ def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: P
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
 
 
-def schedule_rows(targets: list[str], names: list[str], steps: int, rounds: int) -> str:
-    """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target (`names`: theirs, for the
-    heading), measured and simulated, `rounds` times in turn, each round's plans from one profile of the model (so a
+def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: int) -> str:
+    """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target (as given: name or file;
+    `loaded`: each one loaded), measured and simulated, `rounds` times in turn, each round's plans from one profile of the model (so a
     ratio compares schedules, not profiles)."""
     name, knobs = SCHEDULE_MODEL
     default = tuple(targets) == SCHEDULE_TARGETS
@@ -282,8 +282,7 @@ def schedule_rows(targets: list[str], names: list[str], steps: int, rounds: int)
     with tempfile.TemporaryDirectory(prefix="bench-train-schedules-") as tmp:
         work = Path(tmp)
         graph = load(models.build(name, train=True, **knobs))
-        for target in targets:
-            tgt = load_target(target)
+        for target, tgt in zip(targets, loaded):
             k = len(tgt.devices)
             cores = tgt.host.cores if tgt.host and tgt.host.cores else k
             bound = {m: single_process(name, m, steps, threads=1, knobs=knobs) / min(k, cores) for m in (k, 2 * k)}
@@ -326,7 +325,7 @@ def schedule_rows(targets: list[str], names: list[str], steps: int, rounds: int)
     goals.append(f"- simulated within {SIM_GOAL:.0%} of every measured run: {held(not misses)} ({total - len(misses)} of {total}"
                  f"{'; beyond: ' + ', '.join(misses) if misses else ''})")
     return "\n".join([
-        "## Schedules" + ("" if default else " on " + ", ".join(names)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
+        "## Schedules" + ("" if default else " on " + ", ".join(t.name for t in loaded)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}"
         + ("".join(f" --target {t}" for t in targets) if not default else "") + f"` ({steps} steps per run, medians after the first; "
