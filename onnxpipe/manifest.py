@@ -10,7 +10,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.records import RecordError, from_json
+from onnxpipe.records import RecordError, read_record
 from onnxpipe.safepath import reference_from, reference_to
 
 __all__ = ["MANIFEST_FORMAT", "StageInput", "StageOutput", "Stage", "SharedInitializer", "Manifest"]
@@ -98,15 +98,8 @@ class Manifest:
     @classmethod
     def from_json(cls, data: object, origin: str = "<manifest>") -> Manifest:
         """The manifest in `data`, every field's type and value checked (an OnnxpipeError naming the field)."""
-        found = data.get("format") if isinstance(data, Mapping) else None
-        if found != MANIFEST_FORMAT:
-            raise OnnxpipeError(f"{origin}: not an onnxpipe manifest (format {found!r}); write the directory with `onnxpipe split`")
-        try:
-            manifest = from_json(cls, data)
-            _ensure_values(manifest)
-        except RecordError as exc:
-            raise OnnxpipeError(f"{origin}: {exc}; rewrite the directory with `onnxpipe split`") from None
-        return manifest
+        return read_record(cls, data, origin, MANIFEST_FORMAT, _ensure_values, kind="manifest",
+                           write="write the directory with `onnxpipe split`", rewrite="rewrite the directory with `onnxpipe split`")
 
     @classmethod
     def read(cls, directory: str | os.PathLike) -> Manifest:

@@ -15,13 +15,29 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-__all__ = ["RecordError", "from_json"]
+from onnxpipe.errors import OnnxpipeError
+
+__all__ = ["RecordError", "from_json", "read_record"]
 
 T = TypeVar("T")
 
 
 class RecordError(ValueError):
     """A JSON value that does not fit its field; the message starts with the field's path."""
+
+
+def read_record(cls: type[T], data: object, origin: str, fmt: str, check: typing.Callable[[T], None], *, kind: str, write: str, rewrite: str) -> T:
+    """A `kind` file's `data` as `cls`: its "format" must be `fmt`, then every field's type (`from_json`) and value
+    (`check`, raising RecordError) is checked; any fault is one OnnxpipeError naming `origin`, the field and the way out."""
+    found = data.get("format") if isinstance(data, Mapping) else None
+    if found != fmt:
+        raise OnnxpipeError(f"{origin}: not an onnxpipe {kind} (format {found!r}, expected {fmt!r}); {write}")
+    try:
+        record = from_json(cls, data)
+        check(record)
+    except RecordError as exc:
+        raise OnnxpipeError(f"{origin}: {exc}; {rewrite}") from None
+    return record
 
 
 def from_json(cls: type[T], data: object, where: str = "") -> T:

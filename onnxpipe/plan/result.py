@@ -12,7 +12,7 @@ from typing import Any
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import write_json
 from onnxpipe.pricing.stage import Memory, seconds_per_microbatch
-from onnxpipe.records import RecordError, from_json
+from onnxpipe.records import RecordError, read_record
 from onnxpipe.safepath import reference_from, reference_to
 
 __all__ = ["Memory", "StagePlan", "SolveInfo", "Candidate", "Plan", "PLAN_FORMAT"]
@@ -154,15 +154,8 @@ class Plan:
     @classmethod
     def from_json(cls, data: object, origin: str = "<plan>") -> Plan:
         """The plan in `data`, every field's type and value checked (an OnnxpipeError naming the field)."""
-        found = data.get("format") if isinstance(data, Mapping) else None
-        if found != PLAN_FORMAT:
-            raise OnnxpipeError(f"{origin}: not an onnxpipe plan (format {found!r}, expected {PLAN_FORMAT!r}); write one with `onnxpipe plan`")
-        try:
-            plan = from_json(cls, data)
-            _ensure_values(plan)
-        except RecordError as exc:
-            raise OnnxpipeError(f"{origin}: {exc}; regenerate it with `onnxpipe plan`") from None
-        return plan
+        return read_record(cls, data, origin, PLAN_FORMAT, _ensure_values, kind="plan",
+                           write="write one with `onnxpipe plan`", rewrite="regenerate it with `onnxpipe plan`")
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a reader never sees half a plan. The model's path is recorded relative to the plan's folder."""
