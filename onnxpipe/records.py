@@ -12,7 +12,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from onnxpipe.errors import OnnxpipeError
@@ -26,7 +26,7 @@ class RecordError(ValueError):
     """A JSON value that does not fit its field; the message starts with the field's path."""
 
 
-def read_record(cls: type[T], data: object, origin: str, fmt: str, check: typing.Callable[[T], None], *, kind: str, write: str, rewrite: str) -> T:
+def read_record(cls: type[T], data: object, origin: str, fmt: str, check: Callable[[T], None], *, kind: str, write: str, rewrite: str) -> T:
     """A `kind` file's `data` as `cls`: its "format" must be `fmt`, then every field's type (`from_json`) and value
     (`check`, raising RecordError) is checked; any fault is one OnnxpipeError naming `origin`, the field and the way out."""
     found = data.get("format") if isinstance(data, Mapping) else None
