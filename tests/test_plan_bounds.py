@@ -239,13 +239,62 @@ def test_never_above_the_proven_optimum_on_random_dags(case: RandomModel) -> Non
             assert lower_bound(problem, case.stages).seconds <= least * (1 + 1e-9)
 
 
-def test_a_bound_that_falls_to_zero_ends() -> None:
-    # Three independent nodes are one segment with no clean gap; a stage on each device type can split it at any
-    # fraction, so the relaxation fits every bottleneck above 0 (and not 0 itself): the bisection must still end.
-    nodes = [helper.make_node("Relu", [f"x{i}"], [f"y{i}"], name=f"n{i}") for i in range(3)]
-    graph = helper.make_graph(nodes, "parallel", [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, 4]) for i in range(3)],
-                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 4]) for i in range(3)])
-    loaded = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
-    problem = build_problem(loaded, mixed_costs(loaded, [1e9] * 3), mixed_target(1), batch=loaded.batch * 2, microbatches=2)
+def parallel_model(count: int) -> onnx.ModelProto:
+    """`count` independent nodes: one segment, no clean gap inside."""
+    nodes = [helper.make_node("Relu", [f"x{i}"], [f"y{i}"], name=f"n{i}") for i in range(count)]
+    graph = helper.make_graph(nodes, "parallel", [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, 4]) for i in range(count)],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 4]) for i in range(count)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("flops", [[1e9] * 3, [1e10, 1e5, 1e5], [3e9, 1e9, 1e6]])
+def test_one_segment_split_across_device_types_is_the_fractional_work_bound(flops: list[float]) -> None:
+    # Every stage may split the one segment at any fraction, so the walk is the work LP: a stage on the other device type
+    # starts where the nodes taken so far can have reached at most in its own work (a knapsack, not the whole segment
+    # dropped, which let the bound fall to 0 here). The bisection ends all the same.
+    loaded = load(parallel_model(len(flops)))
+    problem = build_problem(loaded, mixed_costs(loaded, flops), mixed_target(1), batch=loaded.batch * 2, microbatches=2)
     assert segments(problem).count == 1
-    assert 0 <= chain_bound(problem, 2) <= optimum(problem, 2) * (1 + 1e-9)
+    bound = lower_bound(problem, 2)
+    assert bound.chain_seconds == pytest.approx(bound.work_seconds, rel=1e-5)
+    assert 0 < chain_bound(problem, 2) <= optimum(problem, 2) * (1 + 1e-9)
+
+
+def branching_model(data: st.DataObject) -> onnx.ModelProto:
+    """3 to 5 nodes, each reading one or two of the last three tensors: parallel branches make segments of several nodes."""
+    nodes, tensors = [], ["x"]
+    for i in range(data.draw(st.integers(3, 5))):
+        recent = tensors[-3:]
+        reads = data.draw(st.lists(st.sampled_from(recent), min_size=1, max_size=min(2, len(recent)), unique=True))
+        nodes.append(helper.make_node("Relu" if len(reads) == 1 else "Add", reads, [f"t{i}"], name=f"n{i}"))
+        tensors.append(f"t{i}")
+    read = {t for n in nodes for t in n.input}
+    ends = [t for t in tensors[1:] if t not in read]
+    for j, t in enumerate(ends[1:]):  # one output: the ends summed
+        nodes.append(helper.make_node("Add", [ends[0] if j == 0 else f"z{j - 1}", t], [f"z{j}"], name=f"z{j}"))
+    out = nodes[-1].output[0]
+    graph = helper.make_graph(nodes, "branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, [2, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.sampled_from([1e-6, 1e-4]), st.integers(2, 3), st.sampled_from(["fast-slow", "near-twins"]))
+def test_never_above_brute_force_on_branching_graphs(data: st.DataObject, latency: float, stages: int, spec: str) -> None:
+    """Stages that change device type inside a segment of several nodes (`_Chain.switch`)."""
+    graph = load(branching_model(data))
+    flops = data.draw(st.lists(st.sampled_from([1e5, 1e6, 1e9, 3e9, 1e10]), min_size=len(graph.compute_nodes), max_size=len(graph.compute_nodes)))
+    params = data.draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=len(flops), max_size=len(flops)))
+    target = mixed_target(1 if stages == 3 else 2, latency, spec=FAST_SLOW if spec == "fast-slow" else NEAR_TWINS)
+    problem = build_problem(graph, mixed_costs(graph, flops, params), target, batch=graph.batch * 2, microbatches=2)
+    assert chain_bound(problem, stages) <= optimum(problem, stages) * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data(), st.sampled_from([1e-6, 1e-4]), st.integers(1, 2))
+def test_never_above_brute_force_on_branching_graphs_with_replicas_over_several_device_types(data: st.DataObject, latency: float,
+                                                                                             stages: int) -> None:
+    graph = load(branching_model(data))
+    flops = data.draw(st.lists(st.sampled_from([1e5, 1e6, 1e9, 3e9, 1e10]), min_size=len(graph.compute_nodes), max_size=len(graph.compute_nodes)))
+    problem = build_problem(graph, mixed_costs(graph, flops), mixed_target(2, latency, spec=NEAR_TWINS), batch=graph.batch * 4, microbatches=4)
+    assert chain_bound(problem, stages) <= optimum(problem, stages, mixed=True) * (1 + 1e-9)

@@ -15,11 +15,14 @@ Why it is valid:
    first compute node (e.g. label preprocessing that depends on model inputs alone) are dropped when
    that leaves more segments. Ancestry stays the full graph's.
 3. Map a plan to a walk over positions x = i + f (segments 0..i-1 done, fraction f of segment i done,
-   measured in the work of the last stage's group g): a stage on g continuing from a stage on g starts
-   at x, which charges it exactly its own work on g (any split of a segment between two stages on one
-   group has the same total work on it); a stage on another group starts at floor(x) + 1, dropping the
-   segment where the group changes (charged to nobody), or at x itself when x is whole and every node of
-   segment x takes time on g (the stage before took none of it: x is a clean gap). A segment of one node
+   measured in the work of one group g: the nodes of segment i taken so far, whichever stages took
+   them, have at most f times the segment's work on g): a stage on g starting at x charges exactly its own
+   work on g (any split of a segment between stages has the same total work on g). A position in g's work
+   becomes one in h's (`_Chain.switch`) as the most h-work nodes of at most that g-work can have: a
+   fractional knapsack over the segment's nodes, most work on h per work on g first (the nodes taking no
+   time on g come first, so a stage ending at a segment's start that took none of it hands on the segment
+   whole where each of its nodes takes time on g). A later start never costs more, so the walk starting at
+   the most the real plan can have reached stays feasible wherever the plan is. A segment of one node
    is never split, so a stage's reach is rounded down to the start of a one-node segment it would end
    inside (that node goes whole to a later stage). A stage then pays its charged work / r, the
    all-reduce of the parameters of the whole segments it covers (as `timemodel.allreduce_seconds`, over
@@ -31,9 +34,11 @@ Why it is valid:
    several groups (data parallelism over the whole target, a baseline's replicas across a group
    boundary) costs `evaluate` its largest per-group work / r plus messages priced on its first
    device's links: it is bounded by every one of its groups' work / r with the least latency of any
-   link and no all-reduce, and its neighbours treat it as a group of its own (segments dropped).
+   link and no all-reduce: its walk reaches, in each of its groups' work, at most what that group alone
+   reaches, and the next stage starts at the least of those reaches converted to its own group.
 4. For a given T the DP keeps, per (stages used, devices used per group, group of the last stage), the
-   farthest position: a farther start never costs more, so farther dominates. T is feasible iff some
+   farthest position in each group's work (merging walks, the most of each: still at least where each of their
+   plans is): a farther start never costs more, so farther dominates. T is feasible iff some
    walk of exactly `stages` stages (empty ones allowed) within the device counts reaches the end; the
    bound is the largest infeasible T found by bisection. Memory and recompute only add, so are ignored.
 """
@@ -161,8 +166,9 @@ class _Chain:
         self.seg = [w.tolist() for w in self.seg_work]
         #: Segments of one node: a stage holds all of it or none (its positions stay whole).
         self.atomic = (np.bincount(of, minlength=self.m) == 1).tolist()
-        #: Per group, segments whose every node takes time there: a stage ending at their start took none of them.
-        self.timed = [t.tolist() for t in timed]
+        #: Per ordered pair of groups (g, h) and segment: the knapsack of `switch`, cumulative work on g and on h of
+        #: the segment's nodes, most work on h per work on g first.
+        self.knapsack = {(g, h): _knapsacks(of, work[g], work[h], self.m) for g in groups for h in groups if g != h}
         latency = problem.latency
         ok = [[self.counts[h] >= (2 if h == g else 1) for h in groups] for g in groups]
         self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
@@ -202,14 +208,36 @@ class _Chain:
         i = int(y)
         return max(a, float(i)) if i < self.m and y > i and self.atomic[i] else y
 
-    def after(self, last: int, x: float) -> float:
-        """Where a stage on another group than `last`'s starts when `last`'s stage ended at `x`: at x when x is a
-        segment's start and every node of that segment takes time on `last` (so that stage took none of it), else
-        past the segment x ends in (its rest is charged to nobody)."""
+    def switch(self, g: int, h: int, x: float) -> float:
+        """A position in g's work as one in h's: the most h-work that nodes of at most that g-work in its segment can
+        have (module docstring, 3)."""
         i = int(x)
-        if x == i and (i >= self.m or (last >= 0 and self.timed[last][i])):
+        if i >= self.m:
             return x
-        return min(float(self.m), i + 1.0)
+        return self._in(h, i, self._most(g, h, i, (x - i) * self.seg[g][i]))
+
+    def after(self, g: int, h: int, y: float, x: float, work: float) -> float:
+        """Where a stage on g that reached `y` (in g's work) with at most `work` on g leaves a position that was `x` in
+        h's work: the least of `switch` at y and, when y is inside a segment, the most h-work that segment's nodes taken
+        before (x, or none) and by the stage (a knapsack of `work`) can have."""
+        best = self.switch(g, h, y)
+        i = int(y)
+        if i < self.m:
+            best = min(best, self._in(h, i, max(x - i, 0.0) * self.seg[h][i] + self._most(g, h, i, work)))
+        return best
+
+    def _most(self, g: int, h: int, i: int, budget: float) -> float:
+        """Most work on h of nodes of segment i with at most `budget` work on g, fractionally."""
+        on_g, on_h = self.knapsack[g, h][i]
+        j = bisect.bisect_right(on_g, budget) - 1  # whole items that fit; on_g[0] == 0.0
+        taken = on_h[j]
+        if j + 1 < len(on_g):
+            taken += (on_h[j + 1] - on_h[j]) * (budget - on_g[j]) / (on_g[j + 1] - on_g[j])
+        return taken
+
+    def _in(self, h: int, i: int, work: float) -> float:
+        """The position `work` of h's work into segment i."""
+        return i + min(1.0, work / self.seg[h][i]) if self.seg[h][i] > 0 else i + 1.0
 
     def _cost(self, g: int, r: int, a: float, y: float, ring: bool) -> float:
         fixed, slope, _ = self.allreduce[g, r, ring]
@@ -245,7 +273,7 @@ class _Chain:
         return j + (min(1.0, (c - prefix[j]) / seg[j]) if seg[j] > 0 else 1.0)
 
 
-#: The `last` label of a stage replicated over several groups: it continues no group's fraction.
+#: The last group of a stage replicated over several groups.
 _MIXED = -2
 
 
@@ -255,38 +283,54 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
     devices = sum(chain.counts)
     groups = range(len(chain.counts))
     mixes = _mixes(chain) if len(chain.counts) > 1 and max(chain.most) > 1 else ()
-    level: dict[tuple[tuple[int, ...], int], float] = {((0,) * len(chain.counts), -1): 0.0}
+    #: (devices used per group, group of the last stage) -> the position in each group's work (module docstring, 3-4).
+    level: dict[tuple[tuple[int, ...], int], tuple[float, ...]] = {((0,) * len(chain.counts), -1): (0.0,) * len(chain.counts)}
     for j in range(stages):
-        nxt: dict[tuple[tuple[int, ...], int], float] = {}
+        nxt: dict[tuple[tuple[int, ...], int], tuple[float, ...]] = {}
         spare = devices - (stages - j - 1)
 
-        def keep(used: tuple[int, ...], label: int, y: float) -> None:
-            if y > nxt.get((used, label), -1.0):
-                nxt[used, label] = y
+        def keep(used: tuple[int, ...], last: int, x: tuple[float, ...], ends: dict[int, float], r: int) -> None:
+            # Each group's position: the least that any of the stage's groups' reaches implies (the stage does at most
+            # r * t of work on each); a merged state the most of each.
+            y = tuple(min(e if g == h else chain.after(g, h, e, x[h], r * t) for g, e in ends.items()) for h in groups)
+            kept = nxt.get((used, last))
+            nxt[used, last] = y if kept is None else tuple(map(max, kept, y))
 
-        for (used, last), x in level.items():
+        for (used, _), x in level.items():
             if deadline is not None and deadline.passed():
                 raise _OutOfTime
-            later = chain.after(last, x) if last != -1 else x
             for g in groups:
-                start = x if last in (-1, g) else later
                 for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):
                     if sum(used) + r > spare:
                         break
-                    y = chain.reach(g, r, start, t)
+                    y = chain.reach(g, r, x[g], t)
                     if y >= chain.m:
                         return True
-                    keep(used[:g] + (used[g] + r,) + used[g + 1:], g, y)
+                    keep(used[:g] + (used[g] + r,) + used[g + 1:], g, x, {g: y}, r)
             for mix in mixes:
                 if sum(used) + sum(mix) > spare or any(u + c > n for u, c, n in zip(used, mix, chain.counts)):
                     continue
-                r = sum(mix)
-                y = min(chain.reach(g, r, later, t, ring=False) for g in groups if mix[g])
-                if y >= chain.m:
+                ends = {g: chain.reach(g, sum(mix), x[g], t, ring=False) for g in groups if mix[g]}
+                if min(ends.values()) >= chain.m:
                     return True
-                keep(tuple(u + c for u, c in zip(used, mix)), _MIXED, y)
+                keep(tuple(u + c for u, c in zip(used, mix)), _MIXED, x, ends, sum(mix))
         level = nxt
     return False
+
+
+def _knapsacks(of: np.ndarray, on_g: np.ndarray, on_h: np.ndarray, segments: int) -> list[tuple[list[float], list[float]]]:
+    """Per segment: cumulative work on g and on h of its nodes (from 0.0), in order of most work on h per work on g
+    (nodes with none on g first)."""
+    out = []
+    order = np.argsort(of, kind="stable")
+    bounds = np.searchsorted(of[order], np.arange(segments + 1))
+    for i in range(segments):
+        nodes = order[bounds[i]:bounds[i + 1]]
+        a, b = on_g[nodes], on_h[nodes]
+        ratio = np.divide(b, a, out=np.full(len(a), np.inf), where=a > 0)
+        rank = np.argsort(-ratio, kind="stable")
+        out.append(([0.0, *np.cumsum(a[rank]).tolist()], [0.0, *np.cumsum(b[rank]).tolist()]))
+    return out
 
 
 def _mixes(chain: _Chain) -> list[tuple[int, ...]]:
