@@ -50,6 +50,8 @@ EXPORTS = {
     "bert-base": {"batch": 16, "seq": 256},
     "gpt2": {"batch": 8, "seq": 512},
     "gpt2-unoptimized": {"batch": 8, "seq": 512},
+    "bart-base": {"batch": 16, "seq": 128},
+    "t5-small": {"batch": 16, "seq": 128},
     "gpt2-xl": {},
 }
 EXPORT_TARGETS = ("gpu4", "hetero", "fpga4")
@@ -232,7 +234,8 @@ def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
         "at the starts and ends of the runs, one run per `--only` chunk: wall and solve times are on shared cores, a quiet machine is faster).",
         "Exports by `torch.onnx.export` at its defaults (dynamo, optimised, weights as external data, symbolic batch/sequence bound",
         "with `--dim`: ResNet-50, MobileNetV2 batch 32, ViT-B/16 batch 64, BERT-base 16 x 256, GPT-2 8 x 512), GPT-2 once more with",
-        "`optimize=False`, and `gpt2-xl`: the zoo's GPT-2 at 48 layers, d_model 1600, seq 1024 (1.56 B parameters, 5.8 GiB of weights",
+        "`optimize=False`, two encoder-decoders at 16 x 128 (BART-base likewise, T5-small by the TorchScript exporter), and `gpt2-xl`:",
+        "the zoo's GPT-2 at 48 layers, d_model 1600, seq 1024 (1.56 B parameters, 5.8 GiB of weights",
         "in a sparse external-data file). `wall`: `onnxpipe plan MODEL --target T --stages K` as a whole process (imports, loading,",
         "shape inference without running the model, costing, planning, writing the plan); `RSS`: that process's peak resident memory.",
         "k = 8 runs on the target with every device count doubled. Baseline columns: our predicted iteration time over the",

@@ -3,8 +3,9 @@
 What a user has: torchvision ResNet-50, MobileNetV2 and ViT-B/16, transformers BERT-base and GPT-2 small,
 random weights, exported by `torch.onnx.export` at its default settings (the dynamo exporter, optimised,
 weights as external data) with a symbolic batch (and sequence) dim; GPT-2 once more with
-`optimize=False`. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the
-zoo with its weights as external data in a sparse file: zeros never written nor held in memory.
+`optimize=False`; two encoder-decoders, BART-base the same way and T5-small by the TorchScript
+exporter. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the zoo
+with its weights as external data in a sparse file: zeros never written nor held in memory.
 
 torch is not a dependency of onnxpipe: run this with an environment that has torch, torchvision,
 transformers and onnxscript (run it with that Python: `python tools/export_real_models.py`); the zoo
@@ -91,6 +92,45 @@ def _text(kind: str, optimize: bool = True) -> Callable[[Path], None]:
     return export
 
 
+def _seq2seq(kind: str) -> Callable[[Path], None]:
+    """An encoder-decoder's last decoder hidden state from (input_ids, attention_mask, decoder_input_ids): BART-base by
+    the default exporter; T5-small by the TorchScript one (`dynamo=False`, opset 17), as many users still export it."""
+
+    def export(path: Path) -> None:
+        import torch
+
+        _torchvision()  # transformers imports it when present
+        import transformers
+
+        if kind == "bart":
+            model = transformers.BartModel(transformers.BartConfig(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                                                                   decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072))
+        else:
+            model = transformers.T5Model(transformers.T5Config())
+        model.config.use_cache = False
+
+        class Hidden(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, ids: torch.Tensor, mask: torch.Tensor, decoder_ids: torch.Tensor) -> torch.Tensor:
+                return self.model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False, return_dict=False)[0]
+
+        module = Hidden().eval()
+        names = ["input_ids", "attention_mask", "decoder_input_ids"]
+        args = (torch.randint(0, model.config.vocab_size, (BATCH, SEQ)), torch.ones(BATCH, SEQ, dtype=torch.int64),
+                torch.randint(0, model.config.vocab_size, (BATCH, SEQ)))
+        if kind == "bart":
+            batch, seq = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("seq", min=2, max=1024)
+            _export(module, args, path, names, {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}, "decoder_ids": {0: batch, 1: seq}})
+        else:
+            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=17, input_names=names, output_names=["hidden"],
+                              dynamic_axes={name: {0: "batch", 1: "seq"} for name in names})
+
+    return export
+
+
 @contextmanager
 def _sparse_weights(data: Path) -> Iterator[None]:
     """While the zoo builds a model, every weight it asks for becomes an external-data header into
@@ -134,6 +174,8 @@ EXPORTS: dict[str, Callable[[Path], None]] = {
     "bert-base": _text("bert"),
     "gpt2": _text("gpt2"),
     "gpt2-unoptimized": _text("gpt2", optimize=False),
+    "bart-base": _seq2seq("bart"),
+    "t5-small": _seq2seq("t5"),
     "gpt2-xl": _gpt2_xl,
 }
 
