@@ -21,7 +21,10 @@ Why it is valid:
    becomes one in h's (`_Chain.switch`) as the most h-work nodes of at most that g-work can have: a
    fractional knapsack over the segment's nodes, most work on h per work on g first (the nodes taking no
    time on g come first, so a stage ending at a segment's start that took none of it hands on the segment
-   whole where each of its nodes takes time on g). A later start never costs more, so the walk starting at
+   whole where each of its nodes takes time on g). The walk keeps a position in every group's work: after a
+   stage on g, h's is the least of g's converted and, inside one segment, h's before plus the most h-work of
+   nodes of at most the stage's own g-work (r * t), so a change of device type and back does not forget
+   what the first stage took (`_Chain.after`). A later start never costs more, so the walk starting at
    the most the real plan can have reached stays feasible wherever the plan is. A segment of one node
    is never split, so a stage's reach is rounded down to the start of a one-node segment it would end
    inside (that node goes whole to a later stage). A stage then pays its charged work / r, the
