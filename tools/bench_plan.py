@@ -4,7 +4,8 @@ device count x2 in a temporary copy of its file). Reports solve time, solver sta
 found over a bound valid for every plan, and our iteration time over each baseline's (same cost model).
 
 With --exports: real exports (tools/export_real_models.py writes them to build/exports/: torchvision
-ResNet-50, MobileNetV2, ViT-B/16, transformers BERT-base and GPT-2, GPT-2 unoptimized, a 1.5 B-parameter
+ResNet-50, MobileNetV2, ViT-B/16, ConvNeXt-T, EfficientNet-B0, Swin-T, transformers BERT-base, DistilBERT,
+GPT-2, GPT-2 unoptimized, a LLaMA-style decoder, BART-base, T5-small, a 1.5 B-parameter
 GPT-2-XL-shaped zoo model with its weights on disk) planned by `onnxpipe plan` as a whole process on
 gpu4, hetero, fpga4 with 2, 4 and 8 stages: wall time, solve time, status, gap, peak RSS, and the plan's
 iteration time over each baseline's (priced the same way).
@@ -47,9 +48,14 @@ EXPORTS = {
     "resnet50": {"batch": 32},
     "mobilenet_v2": {"batch": 32},
     "vit_b_16": {"batch": 64},
+    "convnext_tiny": {"batch": 32},
+    "efficientnet_b0": {"batch": 32},
+    "swin_t": {"batch": 32},
     "bert-base": {"batch": 16, "seq": 256},
     "gpt2": {"batch": 8, "seq": 512},
     "gpt2-unoptimized": {"batch": 8, "seq": 512},
+    "distilbert": {"batch": 16, "seq": 256},
+    "llama": {"batch": 8, "seq": 512},
     "bart-base": {"batch": 16, "seq": 128},
     "t5-small": {"batch": 16, "seq": 128},
     "gpt2-xl": {},

@@ -4,7 +4,9 @@ What a user has: torchvision ResNet-50, MobileNetV2 and ViT-B/16, transformers B
 random weights, exported by `torch.onnx.export` at its default settings (the dynamo exporter, optimised,
 weights as external data) with a symbolic batch (and sequence) dim; GPT-2 once more with
 `optimize=False`; two encoder-decoders, BART-base the same way and T5-small by the TorchScript
-exporter. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the zoo
+exporter; more families the same way, so that no rule fits one architecture: torchvision ConvNeXt-T (depthwise
+convolutions, channel LayerNorm), EfficientNet-B0 (squeeze-excitation) and Swin-T (shifted windows: rolls and
+window reshapes), transformers DistilBERT and a LLaMA-style decoder. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the zoo
 with its weights as external data in a sparse file: zeros never written nor held in memory.
 
 torch is not a dependency of onnxpipe: run this with an environment that has torch, torchvision,
@@ -68,21 +70,30 @@ def _vision(builder_name: str) -> Callable[[Path], None]:
 
 
 def _text(kind: str, optimize: bool = True) -> Callable[[Path], None]:
+    """A transformers model from token ids (and, for the encoders, an attention mask): BERT-base, DistilBERT, GPT-2 small,
+    or a LLaMA-style decoder of about GPT-2 small's size (grouped-query attention, RMSNorm, rotary positions, SiLU-gated
+    MLP: the family most causal language models exported today share)."""
+
     def export(path: Path) -> None:
         import torch
 
         _torchvision()  # transformers imports it when present
         import transformers
 
-        if kind == "bert":
-            model = transformers.BertModel(transformers.BertConfig())
-        else:
-            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(use_cache=False))
+        model = {
+            "bert": lambda: transformers.BertModel(transformers.BertConfig()),
+            "distilbert": lambda: transformers.DistilBertModel(transformers.DistilBertConfig()),
+            "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(use_cache=False)),
+            "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                vocab_size=32000, use_cache=False)),
+        }[kind]()
         model.config.use_cache = False
+        encoder = kind in ("bert", "distilbert")
         batch = torch.export.Dim("batch", min=1, max=4096)
-        seq = torch.export.Dim("seq", min=2, max=512 if kind == "bert" else 1024)
+        seq = torch.export.Dim("seq", min=2, max=512 if encoder else 1024)
         ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
-        if kind == "bert":
+        if encoder:
             mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
             _export(model, (ids, mask), path, ["input_ids", "attention_mask"],
                     {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}, optimize)
@@ -171,9 +182,14 @@ EXPORTS: dict[str, Callable[[Path], None]] = {
     "resnet50": _vision("resnet50"),
     "mobilenet_v2": _vision("mobilenet_v2"),
     "vit_b_16": _vision("vit_b_16"),
+    "convnext_tiny": _vision("convnext_tiny"),
+    "efficientnet_b0": _vision("efficientnet_b0"),
+    "swin_t": _vision("swin_t"),
     "bert-base": _text("bert"),
+    "distilbert": _text("distilbert"),
     "gpt2": _text("gpt2"),
     "gpt2-unoptimized": _text("gpt2", optimize=False),
+    "llama": _text("llama"),
     "bart-base": _seq2seq("bart"),
     "t5-small": _seq2seq("t5"),
     "gpt2-xl": _gpt2_xl,
