@@ -149,19 +149,19 @@ def assert_cpsat_prices_as_the_rule(problem: Problem, bounds: list[int], groups:
         stage_of = np.repeat(np.arange(k), np.diff(bounds))
         for b in range(blocks.count):
             for s in range(k):
-                model.cp.Add(model.x[b][s] == int(stage_of[b] == s))
+                model.cp.add(model.x[b][s] == int(stage_of[b] == s))
         for s in range(k):
-            model.cp.Add(model.y[s][model.options.index((groups[s], replicas[s]))] == 1)
-            model.cp.Add(model.rc[s] == int(costs[s].recompute))
+            model.cp.add(model.y[s][model.options.index((groups[s], replicas[s]))] == 1)
+            model.cp.add(model.rc[s] == int(costs[s].recompute))
         if each:
-            model.cp.Minimize(sum(model.stage_ns))
+            model.cp.minimize(sum(model.stage_ns))
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.max_time_in_seconds = 30
-        status = solver.Solve(model.cp)
+        status = solver.solve(model.cp)
         if status != cp_model.OPTIMAL:
-            return solver.StatusName(status), []
-        return "OPTIMAL", [solver.Value(t) / _NS for t in model.stage_ns] if each else [solver.ObjectiveValue() / _NS]
+            return solver.status_name(status), []
+        return "OPTIMAL", [solver.value(t) / _NS for t in model.stage_ns] if each else [solver.objective_value / _NS]
 
     def near(got: float, want: float) -> bool:
         return want * (1 - 1e-9) <= got <= want * (1 + 1e-9) + terms * 1e-9

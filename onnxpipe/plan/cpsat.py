@@ -93,11 +93,11 @@ def solve_cpsat(
     # later Ctrl-C (during training, say) would kill the process without cleanup.
     solver.parameters.catch_sigint_signal = False
     callback = _progress(cp_model, progress) if progress else None
-    status = solver.Solve(model.cp, callback) if callback else solver.Solve(model.cp)
-    name = solver.StatusName(status)
+    status = solver.solve(model.cp, callback) if callback else solver.solve(model.cp)
+    name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return CpResult(None, name, math.inf, solver.BestObjectiveBound() / _NS if status == cp_model.UNKNOWN else math.inf, solver.WallTime())
-    return CpResult(model.layout(solver), name, solver.ObjectiveValue() / _NS, solver.BestObjectiveBound() / _NS, solver.WallTime())
+        return CpResult(None, name, math.inf, solver.best_objective_bound / _NS if status == cp_model.UNKNOWN else math.inf, solver.wall_time)
+    return CpResult(model.layout(solver), name, solver.objective_value / _NS, solver.best_objective_bound / _NS, solver.wall_time)
 
 
 def _default_workers() -> int:
@@ -112,7 +112,7 @@ def _progress(cp_model, report: Callable[[float, float], None]):  # type: ignore
 
     class Progress(cp_model.CpSolverSolutionCallback):
         def on_solution_callback(self) -> None:
-            report(self.ObjectiveValue() / _NS, self.BestObjectiveBound() / _NS)
+            report(self.objective_value / _NS, self.best_objective_bound / _NS)
 
     return Progress()
 
@@ -130,30 +130,30 @@ class _Model:
         self.most_ns = int(math.ceil(ceiling * _NS * (1 + 1e-6))) + nb + 3 * len(blocks.nbytes) + 16 if math.isfinite(ceiling) else 2**50
         first, last = _windows(problem, blocks, k, replicas, self.most_ns / _NS) if math.isfinite(ceiling) else (np.zeros(nb, int), np.full(nb, k - 1))
         #: x[b][s]: block b is in stage s, over the stages it can take (`_windows`); no variable where it cannot.
-        self.x = [{s: cp.NewBoolVar("") for s in range(int(first[b]), int(last[b]) + 1)} for b in range(nb)]
+        self.x = [{s: cp.new_bool_var("") for s in range(int(first[b]), int(last[b]) + 1)} for b in range(nb)]
         for b in range(nb):
-            cp.AddExactlyOne(self.x[b].values())
+            cp.add_exactly_one(self.x[b].values())
         for s in range(k):
-            cp.AddBoolOr([x[s] for x in self.x if s in x])
+            cp.add_bool_or([x[s] for x in self.x if s in x])
         stage = [sum(s * v for s, v in x.items() if s) for x in self.x]
         edges = {(int(p), int(c)) for p, cs in zip(blocks.producer, blocks.consumers) if p >= 0 for c in cs}
         for p, c in sorted(edges):
-            cp.Add(stage[p] <= stage[c])
+            cp.add(stage[p] <= stage[c])
         # Per stage: one (group, replicas) choice and a recompute flag.
         self.options = [(g, r) for g in range(len(counts)) for r in replica_choices(counts[g], most)]
-        self.y = [[cp.NewBoolVar("") for _ in self.options] for _ in range(k)]
+        self.y = [[cp.new_bool_var("") for _ in self.options] for _ in range(k)]
         for s in range(k):
-            cp.AddExactlyOne(self.y[s])
+            cp.add_exactly_one(self.y[s])
         for g, c in enumerate(counts):
-            cp.Add(sum(r * self.y[s][o] for s in range(k) for o, (h, r) in enumerate(self.options) if h == g) <= c)
-        self.in_group = [[cp.NewBoolVar("") for _ in counts] for _ in range(k)]
+            cp.add(sum(r * self.y[s][o] for s in range(k) for o, (h, r) in enumerate(self.options) if h == g) <= c)
+        self.in_group = [[cp.new_bool_var("") for _ in counts] for _ in range(k)]
         for s in range(k):
             for g in range(len(counts)):
-                cp.Add(self.in_group[s][g] == sum(self.y[s][o] for o, (h, _) in enumerate(self.options) if h == g))
-        self.rc = [cp.NewBoolVar("") for _ in range(k)]
+                cp.add(self.in_group[s][g] == sum(self.y[s][o] for o, (h, _) in enumerate(self.options) if h == g))
+        self.rc = [cp.new_bool_var("") for _ in range(k)]
         for v in self.rc:
             if recompute != "auto":
-                cp.Add(v == (recompute == "always"))
+                cp.add(v == (recompute == "always"))
         self.block_group: dict[int, list] = {}
         # Crossing tensors, each over the stages where it can arise (no variable elsewhere): received[t][s] (stage s reads
         # it from an earlier stage; inputs[t][s] for a model input); by group of the other end (`_by_group`): came_from[t][s][g]
@@ -168,11 +168,11 @@ class _Model:
         for t, (p, cs) in enumerate(zip(blocks.producer, blocks.consumers)):
             p, cs = int(p), sorted({int(c) for c in cs})
             after = min(self.x[p], default=k) if p >= 0 else -1  # a reader sits in a later stage than the producer
-            recv = {s: cp.NewBoolVar("") for s in sorted({s for c in cs for s in self.x[c] if s > after})}
+            recv = {s: cp.new_bool_var("") for s in sorted({s for c in cs for s in self.x[c] if s > after})}
             for s, v in recv.items():
                 for c in cs:
                     if s in self.x[c]:
-                        cp.AddBoolOr([self.x[c][s].Not(), v, *([self.x[p][s]] if p >= 0 and s in self.x[p] else [])])
+                        cp.add_bool_or([self.x[c][s].negated(), v, *([self.x[p][s]] if p >= 0 and s in self.x[p] else [])])
             self.inputs.append(recv if p < 0 else None)
             self.received.append(None if p < 0 else recv)
             came, went, sent = self._by_group(p, cs, recv) if p >= 0 else (None, None, None)
@@ -180,21 +180,21 @@ class _Model:
             self.went_to.append(went)
             self.sent_to.append(sent)
             self.leaves.append(self._leaving(p, cs, recv) if p >= 0 and blocks.crossing_sent[:, t].any() else None)
-        self.bottleneck = cp.NewIntVar(min(int(math.floor(floor * _NS)), self.most_ns), self.most_ns, "T")
+        self.bottleneck = cp.new_int_var(min(int(math.floor(floor * _NS)), self.most_ns), self.most_ns, "T")
         #: Per stage: its time in nanoseconds (at least: the model only bounds them by the bottleneck).
         self.stage_ns: list[cp_model.LinearExpr] = []
         self._stage_constraints(recompute)
-        cp.Minimize(self.bottleneck)
+        cp.minimize(self.bottleneck)
 
     def _group_of(self, b: int) -> list:
         """block_group[b][g]: block b sits in a stage of group g."""
         if b not in self.block_group:
             cp, groups = self.cp, len(self.in_group[0])
-            self.block_group[b] = [cp.NewBoolVar("") for _ in range(groups)]
-            cp.AddExactlyOne(self.block_group[b])
+            self.block_group[b] = [cp.new_bool_var("") for _ in range(groups)]
+            cp.add_exactly_one(self.block_group[b])
             for s, v in self.x[b].items():
                 for g in range(groups):
-                    cp.AddBoolOr([v.Not(), self.in_group[s][g].Not(), self.block_group[b][g]])
+                    cp.add_bool_or([v.negated(), self.in_group[s][g].negated(), self.block_group[b][g]])
         return self.block_group[b]
 
     def _senders(self, p: int, recv: dict) -> dict[int, list[int]]:
@@ -213,41 +213,41 @@ class _Model:
             came = {s: [v] for s, v in recv.items()}
         else:
             source = self._group_of(p)
-            came = {s: [cp.NewBoolVar("") for _ in range(groups)] for s in recv}
+            came = {s: [cp.new_bool_var("") for _ in range(groups)] for s in recv}
             for s, v in recv.items():
-                cp.Add(sum(came[s]) == v)
+                cp.add(sum(came[s]) == v)
                 for g in range(groups):
-                    cp.AddBoolOr([v.Not(), source[g].Not(), came[s][g]])
+                    cp.add_bool_or([v.negated(), source[g].negated(), came[s][g]])
         sent: dict[int, list] = {}
         if len(cs) == 1:
             c = cs[0]
             dest = [None] if groups == 1 else self._group_of(c)
             for s in senders:
-                sent[s] = [cp.NewBoolVar("") for _ in range(groups)]
+                sent[s] = [cp.new_bool_var("") for _ in range(groups)]
                 for g, v in enumerate(sent[s]):
-                    cp.AddBoolOr([self.x[p][s].Not(), v, *([self.x[c][s]] if s in self.x[c] else []), *([dest[g].Not()] if groups > 1 else [])])
+                    cp.add_bool_or([self.x[p][s].negated(), v, *([self.x[c][s]] if s in self.x[c] else []), *([dest[g].negated()] if groups > 1 else [])])
             return came, None, sent
         if groups > 1:
-            into = {s: [cp.NewBoolVar("") for _ in range(groups)] for s in recv}
+            into = {s: [cp.new_bool_var("") for _ in range(groups)] for s in recv}
             for s, v in recv.items():
-                cp.Add(sum(into[s]) == v)
+                cp.add(sum(into[s]) == v)
                 for g in range(groups):
-                    cp.AddBoolOr([v.Not(), self.in_group[s][g].Not(), into[s][g]])
+                    cp.add_bool_or([v.negated(), self.in_group[s][g].negated(), into[s][g]])
         by_group = into or {s: [v] for s, v in recv.items()}
         for s, later in senders.items():
             most = min(len(cs), len(later))
-            sent[s] = [cp.NewIntVar(0, most, "") for _ in range(groups)]
+            sent[s] = [cp.new_int_var(0, most, "") for _ in range(groups)]
             for g, v in enumerate(sent[s]):
-                cp.Add(v >= sum(by_group[d][g] for d in later) - most * (1 - self.x[p][s]))
+                cp.add(v >= sum(by_group[d][g] for d in later) - most * (1 - self.x[p][s]))
         return came, into, sent
 
     def _leaving(self, p: int, cs: list[int], recv: dict) -> dict:
         """leaves[s]: the tensor leaves stage s: p is in s and some consumer is not (it is then in a later stage)."""
         cp = self.cp
-        leaves = {s: cp.NewBoolVar("") for s in self._senders(p, recv)}
+        leaves = {s: cp.new_bool_var("") for s in self._senders(p, recv)}
         for s, v in leaves.items():
             for c in cs:
-                cp.AddBoolOr([self.x[p][s].Not(), v, *([self.x[c][s]] if s in self.x[c] else [])])
+                cp.add_bool_or([self.x[p][s].negated(), v, *([self.x[c][s]] if s in self.x[c] else [])])
         return leaves
 
     def _stage_constraints(self, recompute: str) -> None:
@@ -256,14 +256,14 @@ class _Model:
         state = state_bytes(blocks.params, blocks.trained, problem.optimizer_states, problem.training)
         m = problem.microbatches
         # holds[s]: the stage has trained parameters, so a replicated stage all-reduces gradients.
-        holds = [cp.NewBoolVar("") for _ in range(k)]
+        holds = [cp.new_bool_var("") for _ in range(k)]
         for b in np.flatnonzero(blocks.trained > 0):
             for s, v in self.x[b].items():
-                cp.AddImplication(v, holds[s])
+                cp.add_implication(v, holds[s])
         for s in range(k):
-            comp, comm_in, comm_out, ar = (cp.NewIntVar(0, self.most_ns, "") for _ in range(4))
+            comp, comm_in, comm_out, ar = (cp.new_int_var(0, self.most_ns, "") for _ in range(4))
             self.stage_ns.append(comp + comm_in + comm_out + ar)
-            cp.Add(self.bottleneck >= self.stage_ns[-1])
+            cp.add(self.bottleneck >= self.stage_ns[-1])
             # (tensor, variable) of what stage s may receive from another stage, or read as a model input
             received = [(t, r[s]) for t, r in enumerate(self.received) if r is not None and s in r]
             read = [(t, r[s]) for t, r in enumerate(self.inputs) if r is not None and s in r]
@@ -273,28 +273,28 @@ class _Model:
                 for rc in (False, True):
                     if (recompute == "always" and not rc) or (recompute == "never" and rc):
                         continue
-                    flag = self.rc[s] if rc else self.rc[s].Not()
+                    flag = self.rc[s] if rc else self.rc[s].negated()
                     seconds = (blocks.forward[g] + recomputed_backward(blocks.forward[g], blocks.backward[g], rc)) / r
                     # a recomputing stage runs its forward again, the crossings' part with it (`recomputed_backward`)
-                    cp.Add(comp >= _dot(self.x, s, seconds * _NS, math.ceil) + cut * (2 if rc else 1)).OnlyEnforceIf([y, flag])
+                    cp.add(comp >= _dot(self.x, s, seconds * _NS, math.ceil) + cut * (2 if rc else 1)).only_enforce_if([y, flag])
                     cap = int(problem.capacity[g] // _KIB)
                     mine = held(flights[s], r)  # whole micro-batches on one replica
                     # Activations per block, and with recompute each tensor it receives (its stash) per micro-batch held.
                     need = _dot(self.x, s, (state + activation_bytes(mine, blocks.activations, 0.0, rc)) / _KIB, math.ceil)
                     if rc:
                         need += sum(v * _ceil(activation_bytes(mine, 0.0, blocks.nbytes[t], True) / _KIB) for t, v in (*received, *read))
-                    cp.Add(need <= cap).OnlyEnforceIf([y, flag])
+                    cp.add(need <= cap).only_enforce_if([y, flag])
                 out = [(v, self._message(t, g, gd, r)) for t, sent in enumerate(self.sent_to) if sent is not None and s in sent
                        for gd, v in enumerate(sent[s])]
                 if out:
-                    cp.Add(comm_out >= _weighted(out)).OnlyEnforceIf(y)
+                    cp.add(comm_out >= _weighted(out)).only_enforce_if(y)
                 inside = [(v, self._message(t, gp, g, r)) for t, came in enumerate(self.came_from) if came is not None and s in came
                           for gp, v in enumerate(came[s])]
                 if inside:
-                    cp.Add(comm_in >= _weighted(inside)).OnlyEnforceIf(y)
+                    cp.add(comm_in >= _weighted(inside)).only_enforce_if(y)
                 if r > 1:
                     a0, a1 = problem.allreduce_affine(g, r)
-                    cp.Add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.trained * a1 / m * _NS, math.ceil)).OnlyEnforceIf(y)
+                    cp.add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.trained * a1 / m * _NS, math.ceil)).only_enforce_if(y)
 
     def _crossing(self, s: int, g: int, r: int, received: list[tuple[int, cp_model.IntVar]]) -> cp_model.LinearExpr:
         """Forward nanoseconds the tensors stage s receives and sends cost it on group g with r replicas (its share)."""
@@ -319,49 +319,49 @@ class _Model:
             return
         for x, s0 in zip(self.x, stage_of):
             for s, v in x.items():
-                cp.AddHint(v, int(s == s0))
+                cp.add_hint(v, int(s == s0))
         for s in range(k):
             chosen = self.options.index((layout.groups[s], layout.replicas[s]))
             for o in range(len(self.options)):
-                cp.AddHint(self.y[s][o], int(o == chosen))
+                cp.add_hint(self.y[s][o], int(o == chosen))
             for g, v in enumerate(self.in_group[s]):
-                cp.AddHint(v, int(layout.groups[s] == g))
-            cp.AddHint(self.rc[s], int(layout.recompute[s]))
+                cp.add_hint(v, int(layout.groups[s] == g))
+            cp.add_hint(self.rc[s], int(layout.recompute[s]))
         groups = layout.groups
         for b, g in self.block_group.items():
             for h, v in enumerate(g):
-                cp.AddHint(v, int(groups[stage_of[b]] == h))
+                cp.add_hint(v, int(groups[stage_of[b]] == h))
         tensors = zip(self.blocks.producer, self.blocks.consumers, self.received, self.came_from, self.went_to, self.sent_to, self.inputs, self.leaves)
         for p, cs, recv, came, went, sent, reads, leaves in tensors:
             readers = {stage_of[c] for c in cs}
             if recv is None:
                 for s, v in reads.items():
-                    cp.AddHint(v, int(s in readers))
+                    cp.add_hint(v, int(s in readers))
                 continue
             src = stage_of[p]
             readers.discard(src)
             for s, v in recv.items():
-                cp.AddHint(v, int(s in readers))
+                cp.add_hint(v, int(s in readers))
                 for h, w in enumerate(came[s] if len(came[s]) > 1 else ()):
-                    cp.AddHint(w, int(s in readers and groups[src] == h))
+                    cp.add_hint(w, int(s in readers and groups[src] == h))
             for s, w in (went or {}).items():
                 for h, v in enumerate(w):
-                    cp.AddHint(v, int(s in readers and groups[s] == h))
+                    cp.add_hint(v, int(s in readers and groups[s] == h))
             for s, counts in sent.items():
                 for h, w in enumerate(counts):
-                    cp.AddHint(w, sum(groups[d] == h for d in readers) if s == src else 0)
+                    cp.add_hint(w, sum(groups[d] == h for d in readers) if s == src else 0)
             for s, v in (leaves or {}).items():
-                cp.AddHint(v, int(s == src and bool(readers)))
+                cp.add_hint(v, int(s == src and bool(readers)))
 
     def layout(self, solver: cp_model.CpSolver) -> Layout:
         k = self.k
-        block_stage = np.array([next(s for s, v in x.items() if solver.BooleanValue(v)) for x in self.x])
-        chosen = [self.options[next(o for o in range(len(self.options)) if solver.BooleanValue(self.y[s][o]))] for s in range(k)]
+        block_stage = np.array([next(s for s, v in x.items() if solver.boolean_value(v)) for x in self.x])
+        chosen = [self.options[next(o for o in range(len(self.options)) if solver.boolean_value(self.y[s][o]))] for s in range(k)]
         return Layout(
             block_stage=block_stage,
             groups=tuple(g for g, _ in chosen),
             replicas=tuple(r for _, r in chosen),
-            recompute=tuple(bool(solver.BooleanValue(v)) for v in self.rc),
+            recompute=tuple(bool(solver.boolean_value(v)) for v in self.rc),
         )
 
 
@@ -401,4 +401,4 @@ def _weighted(terms: list[tuple[cp_model.IntVar, int]]) -> cp_model.LinearExpr:
     from ortools.sat.python import cp_model
 
     kept = [(v, c) for v, c in terms if c]
-    return cp_model.LinearExpr.WeightedSum([v for v, _ in kept], [c for _, c in kept])
+    return cp_model.LinearExpr.weighted_sum([v for v, _ in kept], [c for _, c in kept])
