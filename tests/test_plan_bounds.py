@@ -278,12 +278,18 @@ def branching_model(data: st.DataObject) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def branching_case(data: st.DataObject):  # type: ignore[no-untyped-def]
+    """A loaded `branching_model` and the flops of each of its compute nodes."""
+    graph = load(branching_model(data))
+    flops = data.draw(st.lists(st.sampled_from([1e5, 1e6, 1e9, 3e9, 1e10]), min_size=len(graph.compute_nodes), max_size=len(graph.compute_nodes)))
+    return graph, flops
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.data(), st.sampled_from([1e-6, 1e-4]), st.integers(2, 3), st.sampled_from(["fast-slow", "near-twins"]))
 def test_never_above_brute_force_on_branching_graphs(data: st.DataObject, latency: float, stages: int, spec: str) -> None:
     """Stages that change device type inside a segment of several nodes (`_Chain.switch`)."""
-    graph = load(branching_model(data))
-    flops = data.draw(st.lists(st.sampled_from([1e5, 1e6, 1e9, 3e9, 1e10]), min_size=len(graph.compute_nodes), max_size=len(graph.compute_nodes)))
+    graph, flops = branching_case(data)
     params = data.draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=len(flops), max_size=len(flops)))
     target = mixed_target(1 if stages == 3 else 2, latency, spec=FAST_SLOW if spec == "fast-slow" else NEAR_TWINS)
     problem = build_problem(graph, mixed_costs(graph, flops, params), target, batch=graph.batch * 2, microbatches=2)
@@ -294,7 +300,6 @@ def test_never_above_brute_force_on_branching_graphs(data: st.DataObject, latenc
 @given(st.data(), st.sampled_from([1e-6, 1e-4]), st.integers(1, 2))
 def test_never_above_brute_force_on_branching_graphs_with_replicas_over_several_device_types(data: st.DataObject, latency: float,
                                                                                              stages: int) -> None:
-    graph = load(branching_model(data))
-    flops = data.draw(st.lists(st.sampled_from([1e5, 1e6, 1e9, 3e9, 1e10]), min_size=len(graph.compute_nodes), max_size=len(graph.compute_nodes)))
+    graph, flops = branching_case(data)
     problem = build_problem(graph, mixed_costs(graph, flops), mixed_target(2, latency, spec=NEAR_TWINS), batch=graph.batch * 4, microbatches=4)
     assert chain_bound(problem, stages) <= optimum(problem, stages, mixed=True) * (1 + 1e-9)
