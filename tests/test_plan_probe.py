@@ -8,6 +8,7 @@ wall-clock time); CP-SAT's answers are checked against the optimum of a chain (t
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from onnxpipe.graph import load
 from onnxpipe.plan import baselines, build_problem, evaluate, lower_bound
 from onnxpipe.plan import solve as solve_module
 from onnxpipe.plan.coarsen import coarsen
-from onnxpipe.plan.cpsat import CpResult
+from onnxpipe.plan.cpsat import CpResult, Stop, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.layout import Layout, to_assignment
@@ -77,9 +78,15 @@ def _chain_problem(n: int, devices: int = 3):  # type: ignore[no-untyped-def]
     return build_problem(graph, costs, make_target([("a", devices, 1e12, 1e9)]), batch=graph.batch * 4, microbatches=4)
 
 
-def _unproven(floor: float) -> CpResult:
-    """A search node by node that ended with no plan and its bound on the floor."""
-    return CpResult(None, "UNKNOWN", math.inf, floor, 0.0)
+def _asking(problem, nodes, recompute: str = "auto"):  # type: ignore[no-untyped-def]
+    """CP-SAT's answers over single nodes, each with as long as it asks for."""
+    return lambda low, ceiling, seconds: solve_cpsat(problem, nodes, 3, recompute=recompute, floor_seconds=low, ceiling_seconds=ceiling,
+                                                     time_limit=seconds)
+
+
+def _rounding(nodes) -> float:  # type: ignore[no-untyped-def]
+    """CP-SAT prices each term in whole nanoseconds, rounded up (as `solve` allows for)."""
+    return 1e-9 * (nodes.count + len(nodes.nbytes) + 4)
 
 
 def test_cp_sat_questions_on_a_chain_prove_the_optimum_within_close_and_find_it() -> None:
@@ -89,13 +96,12 @@ def test_cp_sat_questions_on_a_chain_prove_the_optimum_within_close_and_find_it(
     worse = baselines(problem, 3)["uniform-nodes"]
     floor = lower_bound(problem, 3).work_seconds  # the fractional one: the chain bound is the optimum itself on a chain
     assert worse.bottleneck_seconds > optimum * (1 + CLOSE) and floor < optimum * (1 - CLOSE)  # both ends have room to move
-    result = solve_module._probe_below(problem, nodes, worse, 3, "auto", True, _unproven(floor), floor, Deadline(60.0), lambda _: None)
-    assert result.layout is not None
-    found = evaluate(problem, to_assignment(problem, nodes, result.layout)).bottleneck_seconds
+    probed = probe(_asking(problem, nodes), floor, worse.bottleneck_seconds, Deadline(60.0))
+    assert probed.found
+    found = evaluate(problem, to_assignment(problem, nodes, probed.found[-1].layout)).bottleneck_seconds
     assert optimum * (1 - 1e-9) <= found < worse.bottleneck_seconds
-    rounding = 1e-9 * (nodes.count + len(nodes.nbytes) + 4)  # CP-SAT prices each term in whole nanoseconds, rounded up
-    assert floor <= result.bound_seconds <= optimum + rounding  # holds for every plan ...
-    assert found - result.bound_seconds <= CLOSE * found + 1e-9  # ... and closes on the plan found
+    assert floor <= probed.bound_seconds <= optimum + _rounding(nodes)  # holds for every plan ...
+    assert found - probed.bound_seconds <= CLOSE * found + _rounding(nodes)  # ... and closes on the plan found
 
 
 @settings(max_examples=5, deadline=None)
@@ -107,10 +113,77 @@ def test_cp_sat_questions_never_claim_more_than_brute_force_across_device_groups
     problem = build_problem(graph, costs, slow_link_target(4e12), batch=graph.batch * 4, microbatches=4)
     expected = brute_force(problem, 3, "never")
     nodes = coarsen(problem, problem.n)
-    start = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3, "never", True)))
+    start = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3, "never", True))).bottleneck_seconds
     floor = lower_bound(problem, 3).seconds
-    result = solve_module._probe_below(problem, nodes, start, 3, "never", True, _unproven(floor), floor, Deadline(60.0), lambda _: None)
-    best = start.bottleneck_seconds if result.layout is None else evaluate(problem, to_assignment(problem, nodes, result.layout)).bottleneck_seconds
-    assert expected * (1 - 1e-9) <= best <= start.bottleneck_seconds * (1 + 1e-9)
-    assert floor <= result.bound_seconds <= expected + 1e-9 * (nodes.count + len(nodes.nbytes) + 4)  # whole nanoseconds, rounded up
-    assert best - result.bound_seconds <= CLOSE * best + 1e-9
+    probed = probe(_asking(problem, nodes, "never"), floor, start, Deadline(60.0))
+    best = min([start, *(evaluate(problem, to_assignment(problem, nodes, r.layout)).bottleneck_seconds for r in probed.found)])
+    assert expected * (1 - 1e-9) <= best <= start
+    assert floor <= probed.bound_seconds <= expected + _rounding(nodes)
+    assert best - probed.bound_seconds <= CLOSE * best + _rounding(nodes)
+
+
+def _prove_on_a_chain(monkeypatch, stall: bool):  # type: ignore[no-untyped-def]
+    """`_prove` from a uniform split of a 60-node chain, its search down from that plan stalled (no plan, its bound on the
+    floor, as on an encoder-decoder) or not; with the chain's optimum and the floor."""
+    problem = _chain_problem(60)
+    nodes = coarsen(problem, problem.n)
+    optimum = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3))).bottleneck_seconds
+    worse = baselines(problem, 3)["uniform-nodes"]
+    floor = lower_bound(problem, 3).work_seconds
+    real_search, real_probe = solve_module.solve_cpsat, solve_module.probe
+    searches_down, asked = [], threading.Event()
+
+    def solve_cpsat_spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs["ceiling_seconds"] == worse.bottleneck_seconds:  # the search down from the plan given
+            searches_down.append(kwargs)
+            if stall:  # finds nothing while the questions run (at most its time)
+                asked.wait(kwargs["time_limit"])
+                return CpResult(None, "UNKNOWN", math.inf, kwargs["floor_seconds"], 0.0)
+        return real_search(*args, **kwargs)
+
+    def probe_spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return real_probe(*args, **kwargs)
+        finally:
+            asked.set()
+
+    monkeypatch.setattr(solve_module, "solve_cpsat", solve_cpsat_spy)
+    monkeypatch.setattr(solve_module, "probe", probe_spy)
+    hint = solve_module._layout_of(problem, worse, nodes, True)
+    result = solve_module._prove(problem, nodes, hint, worse, 3, "auto", True, floor, Deadline(60.0), lambda _: None)
+    assert len(searches_down) == 1 and searches_down[0]["hint"] is hint
+    return problem, nodes, result, optimum, floor
+
+
+def test_prove_proves_the_optimum_by_its_search_down(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    problem, nodes, result, optimum, _ = _prove_on_a_chain(monkeypatch, stall=False)
+    assert result.status == "OPTIMAL" and result.layout is not None
+    assert evaluate(problem, to_assignment(problem, nodes, result.layout)).bottleneck_seconds == pytest.approx(optimum, rel=1e-9)
+    assert optimum - _rounding(nodes) <= result.bound_seconds <= optimum + _rounding(nodes)
+
+
+def test_prove_takes_the_bound_and_plan_of_the_questions_where_the_search_down_stalls(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    problem, nodes, result, optimum, floor = _prove_on_a_chain(monkeypatch, stall=True)
+    assert result.layout is not None and result.status in ("OPTIMAL", "FEASIBLE")
+    found = evaluate(problem, to_assignment(problem, nodes, result.layout)).bottleneck_seconds
+    assert optimum * (1 - 1e-9) <= found <= optimum * (1 + CLOSE)
+    assert floor < optimum * (1 - CLOSE) <= result.bound_seconds <= optimum + _rounding(nodes)
+
+
+class _Solver:
+    """Stands in for a running CP-SAT solver: remembers being told to stop."""
+
+    def __init__(self) -> None:
+        self.told = 0
+
+    def stop_search(self) -> None:
+        self.told += 1
+
+
+def test_stop_ends_the_searches_running_and_keeps_later_ones_from_starting() -> None:
+    stop, running, done = Stop(), _Solver(), _Solver()
+    assert stop.enter(running) and stop.enter(done)
+    stop.leave(done)
+    stop.stop()
+    assert (running.told, done.told) == (1, 0)
+    assert not stop.enter(_Solver())

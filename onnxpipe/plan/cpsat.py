@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,7 +33,7 @@ from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, reco
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
 
-__all__ = ["CpResult", "solve_cpsat"]
+__all__ = ["CpResult", "Stop", "solve_cpsat", "half_the_cores"]
 
 _NS = 1e9
 _KIB = 1024.0
@@ -50,6 +51,33 @@ class CpResult:
     wall_seconds: float
 
 
+class Stop:
+    """Ends, from another thread, the searches started under it (and any started later): two searches running side
+    by side (`plan.solve._prove`) end each other's once one has the answer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set = set()
+        self.stopped = False
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            for solver in self._running:
+                solver.stop_search()
+
+    def enter(self, solver) -> bool:  # type: ignore[no-untyped-def]
+        """Registers a solver about to search; False once stopped (it should not start)."""
+        with self._lock:
+            if not self.stopped:
+                self._running.add(solver)
+            return not self.stopped
+
+    def leave(self, solver) -> None:  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._running.discard(solver)
+
+
 def solve_cpsat(
     problem: Problem,
     blocks: Blocks,
@@ -63,9 +91,11 @@ def solve_cpsat(
     time_limit: float = 30.0,
     workers: int | None = None,
     progress: Callable[[float, float], None] | None = None,
+    stop: Stop | None = None,
 ) -> CpResult:
     """Minimise the bottleneck seconds per micro-batch. `floor_seconds` is a known valid lower bound;
-    `ceiling_seconds` the bottleneck of a plan on these blocks (the hint's), which bounds the search."""
+    `ceiling_seconds` the bottleneck of a plan on these blocks (the hint's), which bounds the search. `stop`: ends
+    the search from another thread (UNKNOWN, or FEASIBLE with the best plan found so far)."""
     from ortools.sat.python import cp_model  # here, not at import: it loads pandas (~0.5 s) that split, simulate and train never need
 
     model = _Model(problem, blocks, stages, recompute, replicas, floor_seconds, ceiling_seconds)
@@ -93,7 +123,13 @@ def solve_cpsat(
     # later Ctrl-C (during training, say) would kill the process without cleanup.
     solver.parameters.catch_sigint_signal = False
     callback = _progress(cp_model, progress) if progress else None
-    status = solver.solve(model.cp, callback) if callback else solver.solve(model.cp)
+    if stop is not None and not stop.enter(solver):
+        return CpResult(None, "UNKNOWN", math.inf, floor_seconds, 0.0)
+    try:
+        status = solver.solve(model.cp, callback) if callback else solver.solve(model.cp)
+    finally:
+        if stop is not None:
+            stop.leave(solver)
     name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return CpResult(None, name, math.inf, solver.best_objective_bound / _NS if status == cp_model.UNKNOWN else math.inf, solver.wall_time)
@@ -105,6 +141,11 @@ def _default_workers() -> int:
     portfolio sharing the cores (measured on the zoo's 8-stage plans, 2 to 5x sooner)."""
     cores = os.cpu_count() or 1
     return 1 if cores <= 2 else cores
+
+
+def half_the_cores() -> int:
+    """Workers for each of two searches run side by side: half the cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // 2)
 
 
 def _progress(cp_model, report: Callable[[float, float], None]):  # type: ignore[no-untyped-def]

@@ -9,8 +9,9 @@ plan), while "no plan within 0.97 of the best" is shown in 0.1-5 s on every one 
 An INFEASIBLE answer at T is a bound that holds for every plan; a plan found at or below T is a better plan.
 
 Bisection between the bound and the best plan: each question may take half the time left, so one that runs out
-leaves time to ask a lower one; it stops once the bound is within `CLOSE` of the best plan, or when the questions
-left could raise it by less than `STEP` of it.
+leaves time to ask a lower one; it stops once the bound is within `CLOSE` of the best plan, when the questions
+left could raise it by less than `STEP` of it, or when told to (`plan.solve._prove` asks beside a search down from
+the best plan, on a core of its own, and stops the questions once that search ends).
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ class Probed:
 
 
 def probe(ask: Callable[[float, float, float], CpResult], bound: float, best: float, deadline: Deadline,
-          report: Callable[[str], None] = lambda _: None) -> Probed:
+          report: Callable[[str], None] = lambda _: None, stopped: Callable[[], bool] = lambda: False) -> Probed:
     """`ask(floor, ceiling, seconds)`: CP-SAT over single nodes with those floor, ceiling and time limit.
-    `bound`: a bound valid for every plan; `best`: the best plan's bottleneck. A bound read off an answer that found
-    a plan is CP-SAT's, in its whole nanoseconds (each term rounded up), as `solve` reads it."""
+    `bound`: a bound valid for every plan; `best`: the best plan's bottleneck; `stopped`: True once the questions
+    are no longer needed (another search has proven the plan). A bound read off an answer that found a plan is
+    CP-SAT's, in its whole nanoseconds (each term rounded up), as `solve` reads it."""
     found: list[CpResult] = []
     top = best  # the least ceiling not yet refuted nor given up on
-    while not deadline.passed() and best - bound > CLOSE * best and top - bound > STEP * best:
+    while not (deadline.passed() or stopped()) and best - bound > CLOSE * best and top - bound > STEP * best:
         ceiling = (bound + top) / 2
         answer = ask(bound, ceiling, deadline.remaining() / 2)
         if answer.status == "INFEASIBLE":

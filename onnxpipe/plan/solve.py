@@ -1,18 +1,18 @@
 """One configuration (stages, micro-batches, schedule fixed): coarsen, solve the interval DP, hand its
 answer to CP-SAT as a hint, then (when coarsened) refine: split the blocks around the best plan's stage
 cuts into single nodes and solve again there, level by level while it improves; a coarsened graph of up to
-`_PROVE_LEVEL` nodes is then searched node by node from the best plan (`_prove`). Where a search node by node
-ends unproven, questions below its best plan raise the bound (`probe`). Keeps the best plan under `evaluate`
-(least bottleneck, or least iteration time when the caller ranks by it), never worse than a baseline.
+`_PROVE_LEVEL` nodes is then searched node by node from the best plan. Every search node by node (an
+uncoarsened graph's first one too) runs beside questions below its plan that raise the bound (`_prove`,
+`probe`). Keeps the best plan under `evaluate` (least bottleneck, or least iteration time when the caller
+ranks by it), never worse than a baseline.
 
 What the plan's `SolveInfo` claims: `status` is CP-SAT's verdict over the blocks it searched last ("OPTIMAL":
 no plan made of them beats the plan; refined plans only improve on it); `bound_seconds` holds for every plan,
-whatever its cuts (CP-SAT's proven bound, raised by `probe`, only when it searched single nodes: nothing was
-coarsened, or `_prove` ran; the first-principles bound otherwise), and `gap` is measured against it;
+whatever its cuts (CP-SAT's proven bound, raised by the questions, only when it searched single nodes: nothing
+was coarsened, or `_prove` ran; the first-principles bound otherwise), and `gap` is measured against it;
 `least_bottleneck_seconds` is the least bottleneck found, which a plan ranked by iteration time may exceed.
 
-Reading order: `solve` -> `_prove` -> `_probe_below` -> `_refine` -> `_stage_of_nodes` -> `_layout_of` -> `_choose` ->
-`_ensure_some_fit`.
+Reading order: `solve` -> `_prove` -> `_refine` -> `_stage_of_nodes` -> `_layout_of` -> `_choose` -> `_ensure_some_fit`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds, LowerBound
 from onnxpipe.plan.coarsen import Blocks, coarsen, refine
-from onnxpipe.plan.cpsat import CpResult, solve_cpsat
+from onnxpipe.plan.cpsat import CpResult, Stop, half_the_cores, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, within
@@ -40,20 +41,16 @@ from onnxpipe.units import format_bytes, plural
 
 __all__ = ["solve", "default_blocks", "infeasible_message", "latency_message"]
 
-#: Share of the time limit the first CP-SAT leaves to what follows it (refinement and the search node by node when
-#: coarsened, questions below its best plan when not), and the most refinement's CP-SAT takes.
-_AFTER_SHARE = 0.3
+#: Share of the time limit the coarse CP-SAT leaves to refinement, and the most refinement's CP-SAT takes.
+_REFINE_SHARE = 0.3
 _REFINE_CP_SHARE = 0.1
 #: Relative improvement a refinement level must bring for the next one to run.
 _IMPROVES = 1e-6
-#: Coarsened graphs up to this many nodes are then searched node by node from the best plan (`_prove`), for up to
-#: this share of the time limit, `_DESCEND_SHARE` of it down from the best plan and the rest in questions below it
-#: (`probe`): CP-SAT proves the real exports' coarse plans optimal there in 0.3-2 s (8 heterogeneous stages included),
-#: which no first-principles bound can show; on the encoder-decoders the search from above stalls with its bound on
-#: the floor, and the questions raise it (BART-base and T5-small: least gaps of 1.3-33% fall to 0.6-17%).
+#: Coarsened graphs up to this many nodes are then searched node by node from the best plan, with questions below it
+#: beside (`_prove`), for up to this share of the time limit: CP-SAT proves the real exports' coarse plans optimal there
+#: in 0.3-2 s (8 heterogeneous stages included), which no first-principles bound can show.
 _PROVE_LEVEL = 1500
 _PROVE_SHARE = 0.3
-_DESCEND_SHARE = 0.5
 
 
 #: Graphs up to this many compute nodes are solved node by node, so OPTIMAL is optimal for the graph
@@ -105,9 +102,15 @@ def solve(
     # Replica counts restricted to `replica_choices` (a large group) limit CP-SAT's search as coarsening does.
     restricted = replicas and any(len(d) > EXACT_REPLICAS for d in problem.group_devices)
     coarsened = blocks.count < problem.n or restricted
-    remaining = deadline.remaining() * (1 - _AFTER_SHARE)
     result = CpResult(None, "UNKNOWN", math.inf, 0.0, 0.0)
-    if remaining > 0:
+
+    def progress_line(value: float, best: float) -> None:
+        report(f"{plural(stages, 'stage')}: CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms")
+
+    if not coarsened and hint is not None and not deadline.passed():
+        # Single nodes already: search down from the DP's plan, questions below it beside (`_prove`), the whole time.
+        result = _prove(problem, blocks, hint, found[-1], stages, recompute, replicas, bound.seconds, deadline, report, progress_line)
+    elif (remaining := deadline.remaining() * ((1 - _REFINE_SHARE) if coarsened else 1.0)) > 0:
         report(f"{plural(stages, 'stage')}: CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s{_best_so_far(problem, found)}")
         result = solve_cpsat(
             problem,
@@ -119,7 +122,7 @@ def solve(
             floor_seconds=bound.seconds,
             ceiling_seconds=found[-1].bottleneck_seconds if hint is not None else math.inf,
             time_limit=remaining,
-            progress=lambda value, best: report(f"{plural(stages, 'stage')}: CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms"),
+            progress=progress_line,
         )
     if result.layout is not None:
         found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
@@ -134,11 +137,10 @@ def solve(
     nodes, proof = blocks, result
     if coarsened and not restricted and problem.n <= _PROVE_LEVEL and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
-        proof = _prove(problem, nodes, least, stages, recompute, replicas, bound.seconds, deadline, report)
-    elif not coarsened and proof.status in ("FEASIBLE", "UNKNOWN") and not deadline.passed() and (least := _choose(problem, found)) is not None:
-        proof = _probe_below(problem, nodes, least, stages, recompute, replicas, proof, bound.seconds, deadline, report)
-    if proof.layout is not None and proof.layout is not result.layout:  # a plan the first CP-SAT did not find
-        found.append(evaluate(problem, to_assignment(problem, nodes, proof.layout), replicas=replicas, bounds=bounds))
+        proof = _prove(problem, nodes, _layout_of(problem, least, nodes, replicas), least, stages, recompute, replicas, bound.seconds,
+                       deadline.within(_PROVE_SHARE), report)
+        if proof.layout is not None:
+            found.append(evaluate(problem, to_assignment(problem, nodes, proof.layout), replicas=replicas, bounds=bounds))
     best = _choose(problem, found, by_iteration)
     least = _choose(problem, found)
     if best is None or least is None:
@@ -149,7 +151,7 @@ def solve(
     # up to whole nanoseconds: `tolerance`; capped by the least bottleneck found, which every plan it did not search
     # exceeds); refined plans only improve on it.
     tolerance = 1e-9 * (nodes.count + len(nodes.nbytes) + 4)
-    searched = proof.layout is not None or (proof is not result and proof.status == "UNKNOWN")
+    searched = proof.status in ("OPTIMAL", "FEASIBLE", "UNKNOWN")  # INFEASIBLE under a plan's own ceiling: that plan was not expressible
     on_blocks = max(min(proof.bound_seconds, least.bottleneck_seconds), bound.seconds) if searched else bound.seconds
     status = "OPTIMAL" if proof.status == "OPTIMAL" and objective <= on_blocks + tolerance else "FEASIBLE"
     proven = on_blocks if nodes.count == problem.n else bound.seconds  # a bound over blocks holds for every plan only when blocks are nodes
@@ -165,40 +167,43 @@ def solve(
     return dataclasses.replace(best, solver=info)
 
 
-def _prove(problem: Problem, nodes: Blocks, least: Plan, stages: int, recompute: str, replicas: bool, floor: float, deadline: Deadline,
-           report: Callable[[str], None]) -> CpResult:
-    """CP-SAT node by node, warm-started from the plan of least bottleneck found over blocks with that bottleneck as
-    its ceiling, then questions below the best plan (`_probe_below`), for up to `_PROVE_SHARE` of the time limit in
-    all: a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes)."""
-    until = deadline.within(_PROVE_SHARE)
-    remaining = until.remaining() * _DESCEND_SHARE
-    report(f"{plural(stages, 'stage')}: CP-SAT node by node from the best plan, up to {remaining:.0f} s{_best_so_far(problem, [least])}")
-    searched = solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, hint=_layout_of(problem, least, nodes, replicas),
-                           floor_seconds=floor, ceiling_seconds=least.bottleneck_seconds, time_limit=remaining)
-    if searched.status not in ("FEASIBLE", "UNKNOWN") or until.passed():
-        return searched
-    if searched.layout is not None:
-        least = evaluate(problem, to_assignment(problem, nodes, searched.layout), replicas=replicas)
-    return _probe_below(problem, nodes, least, stages, recompute, replicas, searched, floor, until, report)
-
-
-def _probe_below(problem: Problem, nodes: Blocks, least: Plan, stages: int, recompute: str, replicas: bool, searched: CpResult,
-                 floor: float, until: Deadline, report: Callable[[str], None]) -> CpResult:
-    """`searched` (an unproven search node by node, whose best plan is `least` or worse) with its bound raised by
-    questions below `least`'s bottleneck until `until` (`probe`), and the best plan they found, if any."""
-    started = time.perf_counter()
+def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, stages: int, recompute: str, replicas: bool, floor: float,
+           until: Deadline, report: Callable[[str], None], progress: Callable[[float, float], None] | None = None) -> CpResult:
+    """CP-SAT node by node down from the plan `least` (`hint`, its layout over `nodes`, when they can express it), its
+    bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until `until`:
+    a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes). The search
+    down ends the questions when it ends and is never cut short by them, so a proof it reaches does not depend on
+    which thread was quicker. Side by side because neither alone does both: the search down proves the zoo's and most
+    exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders with its bound on the floor, where the
+    questions raise it (measured on one core each; CP-SAT leaves the interpreter lock while it searches)."""
     best = least.bottleneck_seconds
-    start = max(floor, min(searched.bound_seconds, best))  # CP-SAT's bound under its ceiling holds below the ceiling
+    report(f"{plural(stages, 'stage')}: CP-SAT node by node from the best plan and below it, up to {until.remaining():.0f} s"
+           f"{_best_so_far(problem, [least])}")
+    asking = Stop()
+    workers = half_the_cores()
 
     def ask(low: float, ceiling: float, seconds: float) -> CpResult:
         return solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
-                           time_limit=seconds)
+                           time_limit=seconds, workers=workers, stop=asking)
 
-    report(f"{plural(stages, 'stage')}: CP-SAT node by node below the best plan, up to {until.remaining():.0f} s{_best_so_far(problem, [least])}")
-    probed = probe(ask, start, best, until, lambda text: report(f"{plural(stages, 'stage')}: {text}"))
-    last = probed.found[-1] if probed.found else searched
-    status = "OPTIMAL" if last.status == "OPTIMAL" else "UNKNOWN" if last.layout is None else "FEASIBLE"
-    return CpResult(last.layout, status, last.objective_seconds, probed.bound_seconds, searched.wall_seconds + time.perf_counter() - started)
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        asked = beside.submit(probe, ask, floor, best, until, lambda text: report(f"{plural(stages, 'stage')}: {text}"),
+                              stopped=lambda: asking.stopped)
+        try:
+            searched = solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, hint=hint, floor_seconds=floor,
+                                   ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=progress)
+        finally:
+            asking.stop()  # the search down has ended: proven, or out of time
+        while not asked.done():  # told again: a question told in the instant before its solver began searching misses it
+            wait([asked], timeout=0.05)
+            asking.stop()
+        probed = asked.result()
+    if searched.status in ("OPTIMAL", "INFEASIBLE"):
+        return searched
+    bound = max(probed.bound_seconds, min(searched.bound_seconds, best))  # CP-SAT's bound under its ceiling holds below it
+    top = min((r for r in (searched, *probed.found) if r.layout is not None), key=lambda r: r.objective_seconds, default=searched)
+    status = "OPTIMAL" if top.status == "OPTIMAL" else "FEASIBLE" if top.layout is not None else "UNKNOWN"
+    return CpResult(top.layout, status, top.objective_seconds, bound, searched.wall_seconds)
 
 
 def _refine(
