@@ -52,8 +52,8 @@ class CpResult:
 
 
 class Stop:
-    """Ends, from another thread, the searches started under it (and any started later): two searches running side
-    by side (`plan.solve._prove`) end each other's once one has the answer."""
+    """Ends, from another thread, the searches started under it (and any started later): the search down from the
+    best plan ends the questions asked beside it once it is done (`plan.solve._prove`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -43,7 +43,7 @@ def probe(ask: Callable[[float, float, float], CpResult], bound: float, best: fl
           report: Callable[[str], None] = lambda _: None, stopped: Callable[[], bool] = lambda: False) -> Probed:
     """`ask(floor, ceiling, seconds)`: CP-SAT over single nodes with those floor, ceiling and time limit.
     `bound`: a bound valid for every plan; `best`: the best plan's bottleneck; `stopped`: True once the questions
-    are no longer needed (another search has proven the plan). A bound read off an answer that found a plan is
+    are no longer wanted (the search beside them has ended). A bound read off an answer that found a plan is
     CP-SAT's, in its whole nanoseconds (each term rounded up), as `solve` reads it."""
     found: list[CpResult] = []
     top = best  # the least ceiling not yet refuted nor given up on
