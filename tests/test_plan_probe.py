@@ -72,6 +72,13 @@ def test_questions_stop_at_the_deadline_each_with_at_most_half_the_time_left() -
     assert 0 < len(ask.asked) < 8 and all(seconds <= 4.0 for _, _, seconds in ask.asked)
 
 
+def test_questions_stop_when_told() -> None:
+    ask = Scripted(optimum=2.0, hard=0.0)  # every question runs out of time
+    probed = probe(ask, 1.0, 2.0, Deadline(1000.0, clock=Ticks()), stopped=lambda: len(ask.asked) >= 2)
+    assert len(ask.asked) == 2 and probed.bound_seconds == 1.0  # the search beside has ended: no third question
+    assert not probe(ask, 1.0, 2.0, Deadline(1000.0, clock=Ticks()), stopped=lambda: True).found and len(ask.asked) == 2
+
+
 def _chain_problem(n: int, devices: int = 3):  # type: ignore[no-untyped-def]
     graph = load(chain_model(n, {}))
     costs = hand_costs(graph, list(np.random.default_rng(1).uniform(1e7, 1e9, n)))
