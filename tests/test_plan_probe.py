@@ -138,14 +138,17 @@ def _prove_on_a_chain(monkeypatch, stall: bool):  # type: ignore[no-untyped-def]
     worse = baselines(problem, 3)["uniform-nodes"]
     floor = lower_bound(problem, 3).work_seconds
     real_search, real_probe = solve_module.solve_cpsat, solve_module.probe
-    searches_down, asked = [], threading.Event()
+    searches_down, asked, questions_began = [], threading.Event(), []
 
     def solve_cpsat_spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         if kwargs["ceiling_seconds"] == worse.bottleneck_seconds:  # the search down from the plan given
             searches_down.append(kwargs)
-            if stall:  # finds nothing while the questions run (at most its time)
+            if stall:  # searches, and finds nothing while the questions run (at most its time)
+                kwargs["searching"].set()
                 asked.wait(kwargs["time_limit"])
                 return CpResult(None, "UNKNOWN", math.inf, kwargs["floor_seconds"], 0.0)
+        else:  # a question: built only once the search down searches (both build in Python, under one lock)
+            questions_began.append(searches_down[0]["searching"].is_set() if searches_down else False)
         return real_search(*args, **kwargs)
 
     def probe_spy(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -159,6 +162,7 @@ def _prove_on_a_chain(monkeypatch, stall: bool):  # type: ignore[no-untyped-def]
     hint = solve_module._layout_of(problem, worse, nodes, True)
     result = solve_module._prove(problem, nodes, hint, worse, 3, "auto", True, floor, Deadline(60.0), lambda _: None)
     assert len(searches_down) == 1 and searches_down[0]["hint"] is hint
+    assert all(questions_began)
     return problem, nodes, result, optimum, floor
 
 

@@ -92,10 +92,12 @@ def solve_cpsat(
     workers: int | None = None,
     progress: Callable[[float, float], None] | None = None,
     stop: Stop | None = None,
+    searching: threading.Event | None = None,
 ) -> CpResult:
     """Minimise the bottleneck seconds per micro-batch. `floor_seconds` is a known valid lower bound;
     `ceiling_seconds` the bottleneck of a plan on these blocks (the hint's), which bounds the search. `stop`: ends
-    the search from another thread (UNKNOWN, or FEASIBLE with the best plan found so far)."""
+    the search from another thread (UNKNOWN, or FEASIBLE with the best plan found so far). `searching`: set once the
+    model is built and CP-SAT is about to search (it then leaves the interpreter lock to other threads)."""
     from ortools.sat.python import cp_model  # here, not at import: it loads pandas (~0.5 s) that split, simulate and train never need
 
     model = _Model(problem, blocks, stages, recompute, replicas, floor_seconds, ceiling_seconds)
@@ -125,6 +127,8 @@ def solve_cpsat(
     callback = _progress(cp_model, progress) if progress else None
     if stop is not None and not stop.enter(solver):
         return CpResult(None, "UNKNOWN", math.inf, floor_seconds, 0.0)
+    if searching is not None:
+        searching.set()
     try:
         status = solver.solve(model.cp, callback) if callback else solver.solve(model.cp)
     finally:
@@ -412,19 +416,24 @@ def _windows(problem: Problem, blocks: Blocks, k: int, replicas: bool, ceiling: 
     devices each do at most `ceiling` seconds of it (on their fastest group)."""
     nb, devices = blocks.count, problem.device_count
     work = (blocks.forward + blocks.backward).min(axis=0)
-    before = np.eye(nb, dtype=bool)
+    preds: list[set[int]] = [set() for _ in range(nb)]
     for p, cs in zip(blocks.producer, blocks.consumers):
         if p >= 0:
-            before[cs] |= before[p]
-    for c in range(nb):  # producers precede consumers in block order: one pass closes the relation
-        before[c] |= before[before[c]].any(axis=0)
+            for c in cs:
+                preds[int(c)].add(int(p))
+    before = np.eye(nb, dtype=bool)
+    for c in range(nb):  # producers precede consumers in block order: each row is final before a consumer reads it
+        if preds[c]:
+            before[c] |= before[sorted(preds[c])].any(axis=0)
     ancestors, descendants = before @ work, before.T @ work
     stages = np.arange(k)
     up_to = devices - (k - 1 - stages) if replicas else stages + 1  # devices stages 0..s may hold
     from_on = devices - stages if replicas else k - stages  # devices stages s..k-1 may hold
     slack = 1 + 1e-9
-    first = np.array([int(np.argmax(ceiling * up_to * slack >= a)) if (ceiling * up_to * slack >= a).any() else k for a in ancestors])
-    last = np.array([int(np.flatnonzero(ceiling * from_on * slack >= d)[-1]) if (ceiling * from_on * slack >= d).any() else -1 for d in descendants])
+    reach = ceiling * up_to * slack >= ancestors[:, None]  # stages 0..s can hold the block's ancestors
+    first = np.where(reach.any(axis=1), reach.argmax(axis=1), k)
+    hold = ceiling * from_on * slack >= descendants[:, None]  # stages s..k-1 can hold its descendants
+    last = np.where(hold.any(axis=1), k - 1 - hold[:, ::-1].argmax(axis=1), -1)
     return first, last
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -181,8 +182,12 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
            f"{_best_so_far(problem, [least])}")
     asking = Stop()
     workers = half_the_cores()
+    # Building a model is Python, which holds the interpreter lock: the questions build theirs once the search down is
+    # searching (CP-SAT leaves the lock), not against its build, which would start the search down later.
+    searching = threading.Event()
 
     def ask(low: float, ceiling: float, seconds: float) -> CpResult:
+        searching.wait()
         return solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
                            time_limit=seconds, workers=workers, stop=asking)
 
@@ -191,9 +196,11 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
                               stopped=lambda: asking.stopped)
         try:
             searched = solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, hint=hint, floor_seconds=floor,
-                                   ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=progress)
+                                   ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=progress,
+                                   searching=searching)
         finally:
             asking.stop()  # the search down has ended: proven, or out of time
+            searching.set()  # a question still waiting finds itself stopped
         while not asked.done():  # told again: a question told in the instant before its solver began searching misses it
             wait([asked], timeout=0.05)
             asking.stop()
