@@ -435,7 +435,7 @@ def _windows(problem: Problem, blocks: Blocks, k: int, replicas: bool, ceiling: 
     before = np.eye(nb, dtype=bool)
     for c in range(nb):  # producers precede consumers in block order: each row is final before a consumer reads it
         if preds[c]:
-            before[c] |= before[sorted(preds[c])].any(axis=0)
+            before[c] |= before[list(preds[c])].any(axis=0)
     ancestors, descendants = before @ work, before.T @ work
     stages = np.arange(k)
     up_to = devices - (k - 1 - stages) if replicas else stages + 1  # devices stages 0..s may hold
