@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,18 +42,38 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     return write_bytes(path, json.dumps(data, indent=2).encode())
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM that arrive in the block are delivered when it ends. Python runs signal
+    handlers in the main thread only, so a block elsewhere cannot be interrupted and needs nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for sig in dict.fromkeys(caught):
+            signal.raise_signal(sig)
+
+
 def swap_in(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
     """Put a finished directory in place of `target`: an old one is renamed away first and deleted
-    only once the new one is in, and put back if the rename fails."""
+    only once the new one is in, and put back if the rename fails. An interruption waits for the
+    swap to end, so it never leaves the old directory beside the new one, or neither in place."""
     tmp, target = Path(tmp), Path(target)
-    if not target.exists():
-        os.replace(tmp, target)
-        return
-    old = target.with_name(f".{target.name}.old{os.getpid()}")
-    os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        os.replace(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    with _interrupts_deferred():
+        if not target.exists():
+            os.replace(tmp, target)
+            return
+        old = target.with_name(f".{target.name}.old{os.getpid()}")
+        os.replace(target, old)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            os.replace(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)

@@ -97,6 +97,33 @@ def test_disk_full_during_split_is_one_line_from_the_cli(planned: tuple[Path, Gr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_an_interruption_between_the_renames_of_a_swap_waits_for_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                         sig: signal.Signals) -> None:
+    from onnxpipe.cli import Terminated, _terminate_as_interrupt
+    from onnxpipe.fileio import swap_in
+
+    target, new = tmp_path / "out", tmp_path / ".out.tmp"
+    for directory, text in ((target, "old"), (new, "new")):
+        directory.mkdir()
+        (directory / "stage_0.onnx").write_text(text)
+    real, renames = os.replace, []
+
+    def replace(src, dst):  # type: ignore[no-untyped-def]
+        real(src, dst)
+        renames.append(Path(dst).name)
+        if len(renames) == 1:  # the old directory just moved aside: the signal comes now
+            signal.raise_signal(sig)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with _terminate_as_interrupt(), pytest.raises(KeyboardInterrupt) as info:
+        swap_in(new, target)
+    assert (info.type is Terminated) == (sig == signal.SIGTERM)
+    assert renames == [f".out.old{os.getpid()}", "out"]
+    assert (target / "stage_0.onnx").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the swap was cut short"
+
+
 # --- checkpoints ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
