@@ -63,7 +63,7 @@ def _ensure_usable(root: Path) -> None:
 def hold_checkpoint_dir(directory: str | os.PathLike) -> Iterator[Path]:
     """Hold `directory` for one run: an exclusive lock on `.NAME.lock` beside it (the kernel releases it
     when its holder dies, SIGKILL included; removed on release), then recover what an interrupted swap
-    of it left (`_recover_swap`). A second run gets one line naming the holder's PID."""
+    of it left (`_recover_swap`), and again on release. A second run gets one line naming the holder's PID."""
     root = Path(directory)
     parent = root.absolute().parent
     lock_path = parent / f".{root.name}.lock"
@@ -92,6 +92,8 @@ def hold_checkpoint_dir(directory: str | os.PathLike) -> Iterator[Path]:
         _recover_swap(root)
         yield root
     finally:
+        with contextlib.suppress(OSError):
+            _recover_swap(root)  # what an interruption left in a write's first or last moments
         with contextlib.suppress(OSError):
             lock_path.unlink()
         os.close(fd)
