@@ -116,8 +116,12 @@ def test_an_interruption_between_the_renames_of_a_swap_waits_for_its_end(tmp_pat
             signal.raise_signal(sig)
 
     monkeypatch.setattr(os, "replace", replace)
-    with _terminate_as_interrupt(), pytest.raises(KeyboardInterrupt) as info:
-        swap_in(new, target)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)  # as started from a terminal, not as a background job
+    try:
+        with _terminate_as_interrupt(), pytest.raises(KeyboardInterrupt) as info:
+            swap_in(new, target)
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
     assert (info.type is Terminated) == (sig == signal.SIGTERM)
     assert renames == [f".out.old{os.getpid()}", "out"]
     assert (target / "stage_0.onnx").read_text() == "new"
