@@ -50,12 +50,14 @@ def _interrupts_deferred() -> Iterator[None]:
         yield
         return
     caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A handler set outside Python (getsignal: None) could not be put back: such a signal is left as it is.
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not None}
     try:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+            signal.signal(sig, handler)
         for sig in dict.fromkeys(caught):
             signal.raise_signal(sig)
 
