@@ -750,6 +750,7 @@ def train(
     backend: str = typer.Option("local", "--backend", help="local: worker processes on this machine (nothing to start); ray: Ray actors, placed as the plan says."),
     address: str = typer.Option(None, "--address", help="With --backend ray: the Ray cluster (HOST:PORT, or auto for the one `ray start` runs here); default: start one on this machine."),
     device: str = typer.Option("auto", "--device", help="auto: stages on gpu devices run on CUDA; cpu: every stage runs on the CPU."),
+    bind_cores: bool = typer.Option(False, "--bind-cores", help="Bind each worker process to CPUs of its own, one thread of each physical core first (on a host this run has to itself)."),
 ) -> None:
     """Train a model as a pipeline: one worker per stage replica (a process, or a Ray actor), the schedule's table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -780,7 +781,7 @@ def train(
     from_files = directory_binding(model, parse_dims(dim)) if Path(model).is_dir() else None  # --dim checked before any worker starts
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),
-                  shapes_by_running=shapes_by_running, backend=backend, address=address, device=device) as pipe:
+                  shapes_by_running=shapes_by_running, backend=backend, address=address, device=device, bind_cores=bind_cores) as pipe:
         print_shared(pipe.shared)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
@@ -788,6 +789,10 @@ def train(
         source = data_source(pipe, data, seed)
         workers = f" on {plural(len(pipe.places), 'worker')}" if len(pipe.places) != pipe.stages else ""
         console.print(f"training {plural(pipe.stages, 'stage')}{workers} ({schedule}, {plural(microbatches, 'micro-batch')}, batch {pipe.batch}) on {escape(pipe.target)}", highlight=False)
+        if bind_cores:
+            replicated = len(pipe.places) != pipe.stages
+            console.print("worker processes bound to CPUs: " + ", ".join(f"stage {s}{f' replica {r}' if replicated else ''}: {' '.join(map(str, c))}"
+                                                                         for (s, r), c in zip(pipe.places, pipe.cpus)), highlight=False)
         with Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             task = bar.add_task("train", total=steps, info="")

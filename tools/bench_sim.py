@@ -172,10 +172,10 @@ def _knob_value(raw: str) -> int | float | bool:
 
 
 def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int, work: Path, microbatches: int | None = None,
-            dedicated: bool = False) -> dict:
-    """Plan with profiled costs and split; train the stage directory with the CLI; simulate the saved plan
-    (`microbatches` in place of the target's 2 x devices, and `dedicated`: also plan and simulate for a core per
-    worker, as `dedicated` and `bubble_dedicated`: tools/bench_train.py --schedules)."""
+            dedicated: bool = False, train_options: tuple[str, ...] = ()) -> dict:
+    """Plan with profiled costs and split; train the stage directory with the CLI (`train_options` added to its
+    command); simulate the saved plan (`microbatches` in place of the target's 2 x devices, and `dedicated`: also
+    plan and simulate for a core per worker, as `dedicated` and `bubble_dedicated`: tools/bench_train.py --schedules)."""
     k, m = shape(target)
     m = microbatches or m
     path = work / f"{model_name}.onnx"
@@ -194,7 +194,8 @@ def measure(model_name: str, knobs: dict, target: str, schedule: str, steps: int
     out = stages.with_suffix(".json")
     load = os.getloadavg()[0]
     run, others = train_with_background([sys.executable, "-m", "onnxpipe", "train", str(stages), "--target", target, "--microbatches",
-                                         str(m), "--schedule", schedule, "--steps", str(steps), "--optimizer", "sgd", "--json", str(out)])
+                                         str(m), "--schedule", schedule, "--steps", str(steps), "--optimizer", "sgd", "--json", str(out),
+                                         *train_options])
     if run.returncode != 0:
         raise OnnxpipeError(run.stdout.strip().splitlines()[-1])
     measured = json.loads(out.read_text())

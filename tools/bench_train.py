@@ -75,13 +75,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --schedules: times each target's four runs are made in turn")
     parser.add_argument("--target", action="append", default=[], metavar="NAME_OR_FILE",
                         help="with --schedules: the targets to compare on (default: cpu4 and cpu2); others than those write their own section")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="with --schedules: train with each worker process bound to CPUs of its own (`onnxpipe train --bind-cores`); its own section")
     args = parser.parse_args()
     if args.schedules:
         targets = args.target or list(SCHEDULE_TARGETS)
         loaded = [load_target(t) for t in targets]
-        section = schedule_rows(targets, loaded, args.steps, args.rounds)
+        section = schedule_rows(targets, loaded, args.steps, args.rounds, args.bind_cores)
         print(section)
-        write_section(NAME + "_schedules" + ("" if tuple(targets) == SCHEDULE_TARGETS else "_" + "_".join(t.name for t in loaded)), section)
+        write_section(NAME + "_schedules" + ("" if tuple(targets) == SCHEDULE_TARGETS else "_" + "_".join(t.name for t in loaded))
+                      + ("_bound" if args.bind_cores else ""), section)
         return
     if args.ray:
         section = ray_rows(args.steps, args.case)
@@ -261,16 +264,17 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
 
-def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: Path) -> dict:
+def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: Path, bind_cores: bool = False) -> dict:
     """bench_sim's measurement of one case (plan with profiled costs, split, `onnxpipe train DIR --json` in its own
-    process with the other work's runnable processes sampled, simulate the saved plan with that background) at m
-    micro-batches, with the schedule's ideal bubble."""
+    process, `--bind-cores` where asked, with the other work's runnable processes sampled, simulate the saved plan with
+    that background) at m micro-batches, with the schedule's ideal bubble."""
     name, knobs = SCHEDULE_MODEL
-    return {**measure(name, knobs, target, schedule, steps, work, microbatches=m, dedicated=True), "schedule": schedule, "m": m,
+    return {**measure(name, knobs, target, schedule, steps, work, microbatches=m, dedicated=True,
+                      train_options=("--bind-cores",) if bind_cores else ()), "schedule": schedule, "m": m,
             "stages": k * virtual(schedule), "ideal": IDEAL[schedule](k, m)}
 
 
-def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: int) -> str:
+def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: int, bind_cores: bool = False) -> str:
     """ZB-H1 against 1F1B at m = 2k and interleaved 1F1B against 1F1B at m = k on each target (as given: name or file;
     `loaded`: each one loaded), measured and simulated, `rounds` times in turn, each round's plans from one profile of the model (so a
     ratio compares schedules, not profiles)."""
@@ -293,7 +297,7 @@ def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: 
                 write_annotated(graph, costs, work / f"{name}.onnx")  # what `measure` plans from
                 by = {}
                 for m, schedule in ((2 * k, "1f1b"), (2 * k, "zb-h1"), (k, "1f1b"), (k, "interleaved")):
-                    r = by[(schedule, m)] = schedule_run(target, k, m, schedule, steps, work)
+                    r = by[(schedule, m)] = schedule_run(target, k, m, schedule, steps, work, bind_cores)
                     one = by[("1f1b", m)]
                     total += 1
                     if abs(r["error"]) > SIM_GOAL:
@@ -325,10 +329,12 @@ def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: 
     goals.append(f"- simulated within {SIM_GOAL:.0%} of every measured run: {held(not misses)} ({total - len(misses)} of {total}"
                  f"{'; beyond: ' + ', '.join(misses) if misses else ''})")
     return "\n".join([
-        "## Schedules" + ("" if default else " on " + ", ".join(t.name for t in loaded)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated)",
+        "## Schedules" + ("" if default else " on " + ", ".join(t.name for t in loaded)) + ": ZB-H1 and interleaved 1F1B against 1F1B (measured and simulated"
+        + (", worker processes bound to CPUs of their own)" if bind_cores else ")"),
         "",
         f"Regenerate: `.venv/bin/python tools/{NAME}.py --schedules --steps {steps} --rounds {rounds}"
-        + ("".join(f" --target {t}" for t in targets) if not default else "") + f"` ({steps} steps per run, medians after the first; "
+        + ("".join(f" --target {t}" for t in targets) if not default else "") + (" --bind-cores" if bind_cores else "")
+        + f"` ({steps} steps per run, medians after the first; "
         f"{os.cpu_count()} vCPUs, {cpu_model()}; load average {load0:.1f} at the start). Model: {name} " + ", ".join(f"{a}={b}" for a, b in knobs.items())
         + " (8 equal layers; batch = one micro-batch). Each target's four runs are made " + f"{rounds} times in turn (rounds); the "
         "model is profiled at the start of each round and the round's four runs plan from those costs, and a goal's ratio is the "

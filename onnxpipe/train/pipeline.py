@@ -76,6 +76,7 @@ class Pipeline:
         tie: tuple[str, ...] = (),
         untie: tuple[str, ...] = (),
         shapes_by_running: bool = False,
+        bind_cores: bool = False,
     ) -> None:
         self.config = TrainConfig(schedule, microbatches, optimizer or OptimizerConfig(), loss, recompute)
         #: Leftovers of killed runs removed on the way in (`leftovers.sweep_dead_runs`).
@@ -115,7 +116,7 @@ class Pipeline:
             self.places = tuple((s.index, s.replica) for s in specs)
             #: Devices (times replicas) the workers run on: a device holding several stages (`host.hosts`) counts once.
             self.devices = len(hosts(specs))
-            self.engine = _engine(specs, self.manifest, self.target, backend, address, device, processes)
+            self.engine = _engine(specs, self.manifest, self.target, backend, address, device, processes, bind_cores)
         except BaseException:
             self.close()
             raise
@@ -201,11 +202,17 @@ class Pipeline:
             raise OnnxpipeError("the pipeline is closed")
         return self.engine
 
+    @property
+    def cpus(self) -> tuple[tuple[int, ...], ...]:
+        """Per worker: the CPUs its process is bound to (`bind_cores`; empty where the OS places it, or in-process)."""
+        return getattr(self.engine, "cpus", None) or tuple(() for _ in self.places)
+
     def metrics(self) -> dict[str, Any]:
         """Measured numbers under the simulator's names (per-step medians after the first step).
 
         Measurements are per worker; `stages` keeps one entry per stage whose figures are the largest
-        over its replicas, and `replicas` lists each replica's own (one entry for an unreplicated stage).
+        over its replicas, and `replicas` lists each replica's own (one entry for an unreplicated stage), its `cpus`
+        those its process is bound to (`affinity`; empty where the OS places it).
         Fractions are over all devices (a device holding several stages counts once, as in the simulator):
         bubble = 1 - sum(busy) / (devices x step seconds)."""
         steady = slice(1, None) if len(self._seconds) > 1 else slice(None)
@@ -214,8 +221,9 @@ class Pipeline:
         copy = [statistics.median(col) for col in zip(*self._copy[steady])] if self._copy else []
         copy_cpu = [statistics.median(col) for col in zip(*self._copy_cpu[steady])] if self._copy_cpu else []
         devices = self.devices
+        cpus = self.cpus
         per_worker = [
-            {"replica": r, "busy_seconds": b, "transfer_seconds": c,
+            {"replica": r, "busy_seconds": b, "transfer_seconds": c, "cpus": list(cpus[w]),
              "peak_memory_bytes": (self._peaks[w] or None) if w < len(self._peaks) else None,
              "peak_activation_bytes": self._stash_peaks[w] if w < len(self._stash_peaks) else None}
             for w, ((_, r), b, c) in enumerate(zip(self.places, busy, copy))
@@ -313,12 +321,15 @@ def _beside(directory: Path, recorded: str) -> Path | None:
 
 
 def _engine(specs: tuple[StageSpec, ...], manifest: Manifest, target: str, backend: str, address: str | None, device: str,
-            processes: bool) -> Executor:
+            processes: bool, bind_cores: bool = False) -> Executor:
     """The executor on the chosen backend: "local" (worker processes, or in-process without `processes`)
     or "ray" (actors on the Ray cluster at `address`, or on one started here). A stage on a gpu device runs
-    on CUDA (`providers`) unless `device` is "cpu"; without a usable CUDA provider this fails at once."""
+    on CUDA (`providers`) unless `device` is "cpu"; without a usable CUDA provider this fails at once.
+    `bind_cores`: each worker process on CPUs of its own (`affinity`)."""
     if backend not in BACKENDS:
         raise OnnxpipeError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if bind_cores and not (backend == "local" and processes):
+        raise OnnxpipeError("--bind-cores binds the worker processes of --backend local; Ray places its actors itself: drop --bind-cores")
     try:
         devices = {d.name: d for d in load_target(target).devices}
     except OnnxpipeError:
@@ -337,7 +348,7 @@ def _engine(specs: tuple[StageSpec, ...], manifest: Manifest, target: str, backe
     for d in placed:
         ensure_usable(d)
     specs = tuple(dataclasses.replace(s, device=d) for s, d in zip(specs, placed))
-    return ProcessPipeline(specs) if processes else LocalPipeline(specs)
+    return ProcessPipeline(specs, bind_cores) if processes else LocalPipeline(specs)
 
 
 def _device_of(devices: tuple[str, ...], replica: int) -> str:

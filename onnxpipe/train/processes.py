@@ -5,13 +5,15 @@ per stage replica), commands (addressed to a worker) and replies over a pair of 
 Nothing here can block the driver on a worker: each process's commands (its specs first, ~the stages'
 size) are written by a sender thread of its own, its replies read by a reader thread into one queue,
 and the driver's end of every pipe a process reads is its only other end, so a dead process breaks it.
-Workers start with SIGINT ignored (inherited through exec): Ctrl-C goes to the driver alone.
+Workers start with SIGINT ignored (inherited through exec): Ctrl-C goes to the driver alone. Each process
+is bound to CPUs of its own when asked (`affinity`).
 
 Reading order: `ProcessBackend` (start, command, replies, health, close) -> `ProcessPipeline`.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import queue
 import signal
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from onnxpipe.train.affinity import worker_cpus
 from onnxpipe.train.executor import Executor, Failure
 from onnxpipe.train.host import hosts
 from onnxpipe.train.leftovers import segment_prefix
@@ -91,7 +94,10 @@ def _process_state(pid: int | None) -> str:
 class ProcessBackend:
     """Spawned workers on this host (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[StageSpec]) -> None:
+    def __init__(self, specs: Sequence[StageSpec], bind_cores: bool = False) -> None:
+        self._hosts = hosts(specs)
+        #: The CPUs each process is bound to (`affinity.worker_cpus`), None where the OS places them.
+        self.cpus = worker_cpus([max(specs[w].threads for w in ws) for ws in self._hosts]) if bind_cores else None
         ctx = mp.get_context("spawn")
         k = len(specs)
         self.prefix = segment_prefix()
@@ -101,7 +107,6 @@ class ProcessBackend:
             self._current[w * SLOTS] = OPS.index("setup")
         self.driver = ShmTransport(self.prefix + "d", self._inboxes, -1)
         self._replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
-        self._hosts = hosts(specs)
         #: The process (index into `_procs`) of each worker.
         self._host_of = {w: h for h, ws in enumerate(self._hosts) for w in ws}
         self._procs: list[Any] = []
@@ -110,19 +115,19 @@ class ProcessBackend:
         self._stopped: dict[int, float] = {}
         self._closed = False
         try:
-            for ws in self._hosts:
-                self._start(ctx, tuple(specs[w] for w in ws))
+            for h, ws in enumerate(self._hosts):
+                self._start(ctx, tuple(specs[w] for w in ws), self.cpus[h] if self.cpus else ())
         except BaseException:
             self.close(force=True)
             raise
 
-    def _start(self, ctx: Any, specs: tuple[StageSpec, ...]) -> None:
+    def _start(self, ctx: Any, specs: tuple[StageSpec, ...], cpus: tuple[int, ...]) -> None:
         h = len(self._procs)
         their_commands, commands = ctx.Pipe(duplex=False)
         replies, their_replies = ctx.Pipe(duplex=False)
         name = "+".join(str(s.index) for s in specs)
         proc = ctx.Process(target=worker_main, name=f"onnxpipe-stage-{name}-{specs[0].replica}", daemon=True,
-                           args=(their_commands, their_replies, self._inboxes, self.prefix, self._current))
+                           args=(their_commands, their_replies, self._inboxes, self.prefix, self._current, cpus))
         with _sigint_ignored():
             proc.start()
         self._procs.append(proc)
@@ -139,6 +144,10 @@ class ProcessBackend:
     def pids(self) -> list[int]:
         """One per process: per stage replica, or per device holding several stages."""
         return [p.pid for p in self._procs]
+
+    def cpus_by_worker(self) -> tuple[tuple[int, ...], ...]:
+        """Per worker: the CPUs its process is bound to (empty where the OS places it)."""
+        return tuple(self.cpus[self._host_of[w]] if self.cpus else () for w in range(len(self._host_of)))
 
     def command(self, worker: int, command: Command) -> None:
         self._senders[self._host_of[worker]].outbox.put((worker, command))
@@ -213,8 +222,8 @@ class ProcessBackend:
 class ProcessPipeline(Executor):
     """The executor on spawned worker processes."""
 
-    def __init__(self, specs: Sequence[StageSpec], **deadlines: float) -> None:
-        super().__init__(specs, ProcessBackend, **deadlines)
+    def __init__(self, specs: Sequence[StageSpec], bind_cores: bool = False, **deadlines: float) -> None:
+        super().__init__(specs, functools.partial(ProcessBackend, bind_cores=bind_cores), **deadlines)
 
     @property
     def pids(self) -> list[int]:
@@ -224,3 +233,8 @@ class ProcessPipeline(Executor):
     def segment_prefix(self) -> str:
         """Name prefix of every shared-memory segment of this pipeline."""
         return self.backend.prefix  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def cpus(self) -> tuple[tuple[int, ...], ...]:
+        """Per worker: the CPUs its process is bound to (empty where the OS places it)."""
+        return self.backend.cpus_by_worker()  # type: ignore[attr-defined, no-any-return]

@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any
 
+from onnxpipe.train.affinity import bind
 from onnxpipe.train.host import Host
 from onnxpipe.train.messages import Failed, Infer, Ready, Stop, Train
 from onnxpipe.train.stage import StageServer, StageSpec
@@ -77,9 +78,10 @@ def keep_freed_memory() -> None:
         pass
 
 
-def worker_main(commands: Any, replies: Any, inboxes: Any, prefix: str, current: Any) -> None:
+def worker_main(commands: Any, replies: Any, inboxes: Any, prefix: str, current: Any, cpus: tuple[int, ...] = ()) -> None:
     """Serve until `Stop`, the driver's end of `commands` closing, or a failure (reported as `Failed`).
-    A Train or Infer runs once every hosted worker got it (the driver sends it to all), in the host's order."""
+    A Train or Infer runs once every hosted worker got it (the driver sends it to all), in the host's order.
+    `cpus`: the CPUs this process is bound to before its sessions start their threads (none: the OS places it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     keep_freed_memory()
@@ -91,6 +93,8 @@ def worker_main(commands: Any, replies: Any, inboxes: Any, prefix: str, current:
     transports = [ShmTransport(prefix, inboxes, s.worker, alive=lambda: os.getppid() == parent) for s in specs]
     worker = specs[0].worker  # the worker whose action (or setup) runs: a failure is reported as its own
     try:
+        if cpus:
+            bind(cpus)
         servers = []
         for spec, transport in zip(specs, transports):
             worker = spec.worker
