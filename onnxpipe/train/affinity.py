@@ -1,12 +1,12 @@
 """Which CPUs each worker process may run on (`--bind-cores`).
 
-Left to the OS scheduler, a worker woken by a message is queued beside its waker (wake-affine) and
-moved later, and any worker may land on a core another one's caches are warm on: on a host with
-cores to spare the pipeline then runs unevenly, stage by stage, though no core is short. Bound, each
-worker process keeps CPUs of its own: one thread of every physical core first (hardware siblings
-share a core's units, so two workers on siblings run slower), the first CPU in that order left to
-the driver and the OS when there is one to spare. Asked for (`--bind-cores`), never by default: two
-runs side by side would each bind to the same CPUs, where the OS spreads them.
+Left to the OS, two workers may share a physical core's hardware threads, and a worker woken by a message
+may be queued beside its waker (wake-affine) until the balancer moves it. Bound, each worker process
+keeps CPUs of its own: one thread of every physical core first (siblings share a core's units), the
+first CPU in that order left to the driver and the OS when there is one to spare. It also makes runs
+comparable: `metrics()` names each worker's CPUs. On a 16-vCPU virtual machine (16 cores of one thread
+as the guest sees them) it changed no measured step (docs/benchmarks.md). Asked for, never by default:
+two runs side by side would each bind to the same CPUs, where the OS spreads them.
 """
 
 from __future__ import annotations
