@@ -329,7 +329,7 @@ def _engine(specs: tuple[StageSpec, ...], manifest: Manifest, target: str, backe
     if backend not in BACKENDS:
         raise OnnxpipeError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if bind_cores and not (backend == "local" and processes):
-        raise OnnxpipeError("--bind-cores binds the worker processes of --backend local; Ray places its actors itself: drop --bind-cores")
+        raise OnnxpipeError("--bind-cores binds the worker processes of --backend local; Ray places its actors itself, and an in-process pipeline has none: drop --bind-cores")
     try:
         devices = {d.name: d for d in load_target(target).devices}
     except OnnxpipeError:
