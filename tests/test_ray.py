@@ -29,7 +29,8 @@ from onnxpipe.errors import OnnxpipeError  # noqa: E402
 from onnxpipe.train.fit import data_source, fit  # noqa: E402
 from onnxpipe.train.pipeline import Pipeline  # noqa: E402
 from onnxpipe.train.prepare import TrainConfig  # noqa: E402
-from onnxpipe.train.ray_backend import link_messages  # noqa: E402
+from onnxpipe.train.leftovers import owner_alive  # noqa: E402
+from onnxpipe.train.ray_backend import link_messages, local_raylets, remove_raylet_semaphores  # noqa: E402
 from onnxpipe.train.ray_transport import PART_BYTES, ChannelTransport, open_channel  # noqa: E402
 from onnxpipe.train.transport import LocalTransport  # noqa: E402
 from procs import as_in_a_terminal  # noqa: E402
@@ -53,7 +54,9 @@ def cluster() -> Iterator[object]:
     ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
     yield c
     ray.shutdown()
+    raylets = local_raylets()
     c.shutdown()
+    remove_raylet_semaphores(raylets)
 
 
 def _two_host_target(tmp: Path) -> Path:
@@ -242,6 +245,20 @@ def test_command_line_trains_on_ray_and_ctrl_c_stops_every_actor(cluster: object
     while _actor_processes() - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _actor_processes() - before
+
+
+def test_without_address_a_run_starts_its_own_instance_and_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    """Without --address the run starts Ray on this machine and stops it, even where RAY_ADDRESS names a cluster (here one
+    that does not answer; Ray would connect to it); the named semaphores its raylet made for the channels' buffers go
+    with it (Ray leaves them: 4 pairs for two stages)."""
+    directory, _ = stage_dir("mlp", 2)
+    before = set(os.listdir("/dev/shm"))
+    run = subprocess.run([sys.executable, "-m", "onnxpipe", "train", str(directory), "--backend", "ray", "--microbatches", str(M), "--steps", "2"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200", "RAY_ADDRESS": "127.0.0.1:9"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    left = [name for name in set(os.listdir("/dev/shm")) - before
+            if (found := re.match(r"sem\.(hdr|obj)(\d+)-", name)) and not owner_alive(int(found.group(2)))]
+    assert left == []
 
 
 def _actor_processes() -> set[int]:
