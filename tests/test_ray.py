@@ -261,6 +261,23 @@ def test_without_address_a_run_starts_its_own_instance_and_leaves_nothing_in_dev
     assert left == []
 
 
+@pytest.mark.parametrize(("address", "expected"), [
+    (None, r"^Ray could not start on this machine \(port 6379 in use\); run `ray start --head` and pass --address auto, or train with --backend local$"),
+    ("10.0.0.1:6379", r"^no Ray cluster at 10.0.0.1:6379 \(port 6379 in use\); start one with `ray start --head`"),
+])
+def test_ray_that_cannot_start_or_connect_is_one_line(monkeypatch: pytest.MonkeyPatch, address: str | None, expected: str) -> None:
+    from onnxpipe.train import ray_backend
+
+    def refuse(**_: object) -> None:
+        raise RuntimeError("port 6379 in use\nmore of Ray's text")
+
+    monkeypatch.setattr(ray_backend.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_backend.ray, "init", refuse)
+    monkeypatch.setattr(ray_backend, "local_resources", lambda placement, cpus: (cpus, {}))
+    with pytest.raises(OnnxpipeError, match=expected):
+        ray_backend.RaySession(address, placement=None)  # type: ignore[arg-type]
+
+
 def _actor_processes() -> set[int]:
     """Processes running a stage actor (Ray names them after the actor class)."""
     out = set()

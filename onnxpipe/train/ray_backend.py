@@ -81,7 +81,11 @@ class RaySession:
                 ray.init(address=address, **options)
                 self.where = f"at {address}"
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise OnnxpipeError(f"no Ray cluster at {address} ({str(exc).strip().splitlines()[0][:160]}); start one with "
+            why = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            if address is None:
+                raise OnnxpipeError(f"Ray could not start on this machine ({why}); run `ray start --head` and pass --address auto, "
+                                    f"or train with --backend local") from exc
+            raise OnnxpipeError(f"no Ray cluster at {address} ({why}); start one with "
                                 f"`ray start --head` and pass --address auto, or leave --address out to start one here") from exc
         self.owned = True
 
