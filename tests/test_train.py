@@ -4,7 +4,9 @@ processes, faults, checkpoints and the public API."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,6 +39,7 @@ VARIANTS = {"resnet-bn": ("resnet-tiny", {"batchnorm": True})}
 SGD = OptimizerConfig("sgd", lr=0.05, momentum=0.9)
 ADAMW = OptimizerConfig("adamw", lr=0.01)
 _TMP = Path(tempfile.mkdtemp(prefix="onnxpipe-test-train-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)  # the stage directories the tests share go with the test run
 
 
 def even_plan(graph: Graph, k: int, replicas: tuple[int, ...] | None = None) -> Plan:
