@@ -10,12 +10,13 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_bytes", "write_json", "swap_in"]
+__all__ = ["atomic_path", "write_bytes", "write_json", "fresh_dir_beside", "swap_in"]
 
 
 @contextlib.contextmanager
@@ -60,6 +61,26 @@ def _interrupts_deferred() -> Iterator[None]:
             signal.signal(sig, handler)
         for sig in dict.fromkeys(caught):
             signal.raise_signal(sig)
+
+
+def fresh_dir_beside(target: str | os.PathLike) -> Path:
+    """A new empty directory `.NAME.<random>.tmp` beside `target` (its parents made as needed), an ordinary directory
+    once renamed into place. Made with interruptions held: one that arrives meanwhile removes it again, so no such
+    directory exists that its caller does not know of. Raises OSError where the parent cannot be written."""
+    parent = Path(target).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    made: Path | None = None
+    try:
+        with _interrupts_deferred():
+            made = Path(tempfile.mkdtemp(prefix=f".{Path(target).name}.", suffix=".tmp", dir=parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            made.chmod(0o777 & ~umask)  # mkdtemp makes it private
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    return made
 
 
 def swap_in(tmp: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import onnx
 from onnx import helper
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.fileio import atomic_path, swap_in
+from onnxpipe.fileio import atomic_path, fresh_dir_beside, swap_in
 from onnxpipe.graph import Graph
 from onnxpipe.manifest import Manifest, SharedInitializer, Stage, StageInput, StageOutput
 from onnxpipe.ortutil import MAX_IR_VERSION
@@ -77,8 +76,9 @@ def split(graph: Graph, plan: Plan, out_dir: str | os.PathLike, *, force: bool =
     _ensure_destination(target, force)
     external = sum(graph.tensors[name].nbytes for name in graph.initializers) > _EXTERNAL_DATA_BYTES
     originals = _originals(graph)
-    tmp = _temp_dir(target)
+    tmp: Path | None = None
     try:
+        tmp = _temp_dir(target)
         stages = tuple(
             _write_stage(graph, plan, i, layout, originals, tmp, external) for i, layout in enumerate(layouts)
         )
@@ -89,7 +89,8 @@ def split(graph: Graph, plan: Plan, out_dir: str | os.PathLike, *, force: bool =
             annotate_stages(graph, plan, annotated_path)
         _publish(tmp, target, force)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
 
@@ -232,16 +233,10 @@ def _ensure_destination(target: Path, force: bool) -> None:
 
 def _temp_dir(target: Path) -> Path:
     """A fresh directory beside the destination, so the final rename stays on one file system."""
-    parent = target.absolute().parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-        return tmp
+        return fresh_dir_beside(target)
     except OSError as exc:
-        raise OnnxpipeError(f"{parent}: cannot write there ({exc.strerror}); choose a writable -o") from exc
+        raise OnnxpipeError(f"{target.absolute().parent}: cannot write there ({exc.strerror}); choose a writable -o") from exc
 
 
 def _publish(tmp: Path, target: Path, force: bool) -> None:

@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -126,6 +127,32 @@ def test_an_interruption_between_the_renames_of_a_swap_waits_for_its_end(tmp_pat
     assert renames == [f".out.old{os.getpid()}", "out"]
     assert (target / "stage_0.onnx").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the swap was cut short"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_an_interruption_while_the_temp_directory_is_made_leaves_none(planned: tuple[Path, Graph, Plan], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch, sig: signal.Signals) -> None:
+    """The signal lands right after mkdtemp made the directory, before split knows its path (checkpoints make theirs
+    with the same `fileio.fresh_dir_beside`)."""
+    from onnxpipe.cli import Terminated, _terminate_as_interrupt
+
+    _, graph, plan = planned
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made = real(*args, **kwargs)
+        signal.raise_signal(sig)
+        return made
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)  # as started from a terminal, not as a background job
+    try:
+        with _terminate_as_interrupt(), pytest.raises(KeyboardInterrupt) as info:
+            split_module.split(graph, plan, tmp_path / "out")
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    assert (info.type is Terminated) == (sig == signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- checkpoints ------------------------------------------------------------------------------

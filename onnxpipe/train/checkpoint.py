@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.fileio import atomic_path, swap_in
+from onnxpipe.fileio import atomic_path, fresh_dir_beside, swap_in
 from onnxpipe.safepath import inside
 
 __all__ = ["StageState", "ensure_checkpoint_dir", "hold_checkpoint_dir", "save_checkpoint", "load_checkpoint"]
@@ -123,8 +122,7 @@ def _recover_swap(root: Path) -> None:
 def _fresh_beside(root: Path) -> Path:
     """A new empty directory beside `root` (its parents made as needed)."""
     try:
-        root.absolute().parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.absolute().parent))
+        return fresh_dir_beside(root)
     except OSError as exc:
         raise OnnxpipeError(f"{root}: cannot write a checkpoint there ({exc.strerror}); choose a writable --checkpoint-dir") from exc
 
@@ -136,8 +134,9 @@ def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[St
     an interrupted or failed write leaves the previous checkpoint as it was."""
     root = Path(directory)
     _ensure_usable(root)
-    tmp = _fresh_beside(root)
+    tmp: Path | None = None
     try:
+        tmp = _fresh_beside(root)
         entries = []
         for i, (params, opt) in enumerate(states):
             npz = tmp / f"stage_{i}.npz"
@@ -152,7 +151,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, states: Sequence[St
     except OSError as exc:
         raise OnnxpipeError(f"{root}: cannot write the checkpoint ({exc.strerror or exc}); free space or choose another --checkpoint-dir") from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 #: Names a checkpoint directory holds (temp files of an interrupted write included).
