@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -56,7 +55,7 @@ from onnx import helper, numpy_helper
 from onnxpipe.cost_formulas import CONTROL_FLOW_OPS, TWO_PASS_NORMS, MissingShape, forward_flops, gemm_shape, op_class
 from onnxpipe.cost_layout import NCHWC, ReorderRates
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.fileio import write_json
+from onnxpipe.fileio import fresh_dir_beside, write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
 from onnxpipe.protostream import load_weights
 from onnxpipe.quantized import int8_operands
@@ -538,12 +537,9 @@ def read_annotated(graph: Graph) -> Costs | None:
 
 def _save_model_atomically(model: onnx.ModelProto, path: Path) -> None:
     """Write into a temp dir beside `path`, then move the weights file (if any) and the model into place."""
+    tmp: Path | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    except OSError as exc:
-        raise OnnxpipeError(f"{path}: cannot write the annotated model ({exc.strerror}); choose a writable -o path") from exc
-    try:
+        tmp = fresh_dir_beside(path)
         data_name = path.name + ".data"
         if model.ByteSize() >= _EXTERNAL_DATA_BYTES:
             onnx.save_model(model, str(tmp / path.name), save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
@@ -554,7 +550,8 @@ def _save_model_atomically(model: onnx.ModelProto, path: Path) -> None:
     except OSError as exc:
         raise OnnxpipeError(f"{path}: cannot write the annotated model ({exc.strerror}); choose a writable -o path") from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_summary(costs: Costs, path: str | os.PathLike) -> None:
