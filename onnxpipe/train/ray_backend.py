@@ -22,6 +22,7 @@ health, progress, where, close) -> `RayPipeline`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -100,7 +101,7 @@ class RaySession:
 
 #: The named semaphores a raylet makes for the buffers of the channels on its node (`/dev/shm/sem.hdr<pid>-<n>` and
 #: `sem.obj<pid>-<n>`). Ray leaves those of buffers still open when the raylet stops: 4 pairs for a run of two stages,
-#: 50-90 for this project's test cluster, never removed by anyone.
+#: 50-90 pairs per raylet of this project's test cluster, never removed by anyone.
 _RAYLET_SEMAPHORES = ("sem.hdr{pid}-", "sem.obj{pid}-")
 
 
@@ -117,18 +118,13 @@ def local_raylets() -> tuple[int, ...]:
     return tuple(found)
 
 
-def remove_raylet_semaphores(raylets: Sequence[int], shm: Path = Path("/dev/shm")) -> int:
-    """Unlink the named semaphores of the stopped raylets `raylets` (this process's, from `local_raylets`); how many."""
-    removed = 0
+def remove_raylet_semaphores(raylets: Sequence[int]) -> None:
+    """Unlink the named semaphores of the stopped raylets `raylets` (this process's, from `local_raylets`)."""
     for pid in raylets:
         for prefix in _RAYLET_SEMAPHORES:
-            for path in shm.glob(prefix.format(pid=pid) + "*"):
-                try:
+            for path in Path("/dev/shm").glob(prefix.format(pid=pid) + "*"):
+                with contextlib.suppress(OSError):  # gone meanwhile
                     path.unlink()
-                    removed += 1
-                except OSError:  # gone meanwhile
-                    pass
-    return removed
 
 
 @ray.remote(max_concurrency=2, concurrency_groups={"status": 1}, max_restarts=0, max_task_retries=0)
