@@ -263,7 +263,7 @@ def test_without_address_a_run_starts_its_own_instance_and_leaves_nothing_in_dev
 
 @pytest.mark.parametrize(("address", "expected"), [
     (None, r"^Ray could not start on this machine \(port 6379 in use\); run `ray start --head` and pass --address auto, or train with --backend local$"),
-    ("10.0.0.1:6379", r"^no Ray cluster at 10.0.0.1:6379 \(port 6379 in use\); start one with `ray start --head`"),
+    ("127.0.0.1:6379", r"^no Ray cluster at 127.0.0.1:6379 \(port 6379 in use\); start one with `ray start --head`"),
 ])
 def test_ray_that_cannot_start_or_connect_is_one_line(monkeypatch: pytest.MonkeyPatch, address: str | None, expected: str) -> None:
     from onnxpipe.train import ray_backend
