@@ -18,6 +18,7 @@ import importlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -369,6 +370,26 @@ def test_second_run_on_a_checkpoint_directory_is_refused_and_sigterm_cleans_up(g
     _until(lambda: not _alive(workers), "the workers of a terminated driver stopped", 10)
     assert not _segments(first.pid) and not _temp_dirs(tmp_path, first.pid)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "tmp"]
+
+
+def test_wake_up_fifos_of_dead_writers_are_swept_and_a_live_ones_kept() -> None:
+    """The Ray transport's wake-up FIFOs carry their writer's PID: a writer killed before its reader opened one
+    (a start cut short) leaves it, and the next run removes it once that process is gone."""
+    from onnxpipe.train.leftovers import sweep_dead_runs, wake_path
+
+    made = subprocess.run([sys.executable, "-c", "import os; from onnxpipe.train.leftovers import wake_path; "
+                                                 "p = wake_path(); os.mkfifo(p); print(p)"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    dead, mine = Path(made.stdout.strip()), wake_path()
+    os.mkfifo(mine)
+    try:
+        assert stat.S_ISFIFO(dead.stat().st_mode)
+        swept = sweep_dead_runs()
+        assert dead in swept and not dead.exists()
+        assert mine.exists() and mine not in swept
+    finally:
+        mine.unlink(missing_ok=True)
+        dead.unlink(missing_ok=True)
 
 
 def test_leftovers_of_a_killed_driver_are_swept_by_the_next_run(gpt2: tuple[Path, Path], tmp_path: Path) -> None:

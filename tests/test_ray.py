@@ -191,6 +191,17 @@ def test_a_tensor_over_one_part_arrives_whole(cluster: object, node: str, in_pla
     assert owned is not in_place
 
 
+def test_a_channel_whose_reader_never_started_leaves_no_fifo(cluster: object) -> None:
+    """The writer made the wake-up FIFO; a start cut short before the reader opened it leaves its name, which the
+    writer's close removes."""
+    receiver = _Receiver.options(resources={"left": 0.001}).remote()  # type: ignore[attr-defined]
+    link = open_channel(None, receiver, ray.get(receiver.node.remote()))
+    assert link.wake is not None and Path(link.wake).exists()
+    ChannelTransport(-1, {0: link}, background=True).close()
+    assert not Path(link.wake).exists()
+    ray.kill(receiver)
+
+
 def test_killed_actor_fails_within_10s_and_resume_continues(cluster: object, tmp_path: Path) -> None:
     directory, _ = stage_dir("gpt2-tiny", 2)
 

@@ -1,8 +1,9 @@
 """Names of what a run leaves on the machine while it lives, and the sweep of what dead runs left.
 
 A run's shared-memory segments (`/dev/shm/onnxpipe_<pid>_...`) and temporary stage copies
-(`<tmp>/onnxpipe-train-<pid>-...`) carry the driver's PID. A driver killed by SIGKILL cannot remove
-them; the next run finds those whose PID is no longer a live process and removes them.
+(`<tmp>/onnxpipe-train-<pid>-...`) carry the driver's PID, the Ray transport's wake-up FIFOs
+(`/dev/shm/onnxpipe-wake-<pid>-...`) their writer's. A process killed by SIGKILL cannot remove them;
+the next run finds those whose PID is no longer a live process and removes them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["segment_prefix", "temp_dir", "owner_alive", "sweep_dead_runs"]
+__all__ = ["segment_prefix", "temp_dir", "wake_path", "owner_alive", "sweep_dead_runs"]
 
 _SHM = Path("/dev/shm")
 _SEGMENT = re.compile(r"^onnxpipe_(\d+)_")
 _TEMP = re.compile(r"^onnxpipe-train-(\d+)-")
+_WAKE = re.compile(r"^onnxpipe-wake-(\d+)-")
 
 
 def segment_prefix() -> str:
@@ -29,6 +31,11 @@ def segment_prefix() -> str:
 def temp_dir() -> Path:
     """A fresh temporary directory for this run's stage files."""
     return Path(tempfile.mkdtemp(prefix=f"onnxpipe-train-{os.getpid()}-"))
+
+
+def wake_path() -> Path:
+    """A fresh path for a wake-up FIFO this process writes (in /dev/shm where there is one)."""
+    return (_SHM if _SHM.is_dir() else Path(tempfile.gettempdir())) / f"onnxpipe-wake-{os.getpid()}-{secrets.token_hex(16)}"
 
 
 def owner_alive(pid: int) -> bool:
@@ -47,9 +54,10 @@ def owner_alive(pid: int) -> bool:
 
 
 def sweep_dead_runs() -> list[Path]:
-    """Remove the segments and temp directories of runs whose driver is gone; returns what was removed."""
+    """Remove the segments, temp directories and wake-up FIFOs whose process is gone; returns what was removed."""
     removed = []
-    for root, pattern in ((_SHM, _SEGMENT), (Path(tempfile.gettempdir()), _TEMP)):
+    tmp = Path(tempfile.gettempdir())
+    for root, pattern in ((_SHM, _SEGMENT), (_SHM, _WAKE), (tmp, _TEMP), (tmp, _WAKE)):
         try:
             entries = list(root.iterdir()) if root.is_dir() else []
         except OSError:

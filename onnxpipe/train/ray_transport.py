@@ -45,13 +45,12 @@ post, messages, close) -> `_Reader`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import queue
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,8 @@ import ray
 from ray.exceptions import RayChannelError
 from ray.experimental.channel import Channel  # at import: actors import it on two threads at once otherwise
 from ray.experimental.channel.shared_memory_channel import BufferedSharedMemoryChannel
+
+from onnxpipe.train.leftovers import wake_path
 
 __all__ = ["ChannelTransport", "Link", "open_channel", "CHANNEL_BYTES"]
 
@@ -96,7 +97,7 @@ def open_channel(writer: Any, reader: Any, reader_node: str, buffers: int = 1) -
     if reader_node != ray.get_runtime_context().get_node_id():
         return Link(Channel(writer, [(reader, reader_node)], CHANNEL_BYTES), None)
     channel = BufferedSharedMemoryChannel(writer, [(reader, reader_node)], max(1, buffers), CHANNEL_BYTES)
-    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"onnxpipe-wake-{uuid.uuid4().hex}")
+    path = str(wake_path())
     os.mkfifo(path, 0o600)
     _WRITER_FDS[path] = os.open(path, os.O_RDWR)  # read-write: never blocks, and the FIFO lives until the reader opens it
     return Link(channel, path)
@@ -337,3 +338,7 @@ class ChannelTransport:
             if wake is not None:
                 wake.post(_CLOSE)
                 wake.close()
+        for link in self.outgoing.values():  # a FIFO whose reader never opened it (a start cut short) still has its name
+            if link.wake is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(link.wake)
