@@ -56,14 +56,13 @@ def owner_alive(pid: int) -> bool:
 def sweep_dead_runs() -> list[Path]:
     """Remove the segments, temp directories and wake-up FIFOs whose process is gone; returns what was removed."""
     removed = []
-    tmp = Path(tempfile.gettempdir())
-    for root, pattern in ((_SHM, _SEGMENT), (_SHM, _WAKE), (tmp, _TEMP), (tmp, _WAKE)):
+    for root, patterns in ((_SHM, (_SEGMENT, _WAKE)), (Path(tempfile.gettempdir()), (_TEMP, _WAKE))):
         try:
             entries = list(root.iterdir()) if root.is_dir() else []
         except OSError:
             continue
         for path in entries:
-            match = pattern.match(path.name)
+            match = next((m for pattern in patterns if (m := pattern.match(path.name))), None)
             if match is None or owner_alive(int(match.group(1))):
                 continue
             try:
