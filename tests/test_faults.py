@@ -254,10 +254,10 @@ def test_resume_recovers_an_interrupted_directory_swap(stage_dir: Path, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "leftovers of the swap were not removed"
 
 
-def test_an_interrupted_run_sweeps_what_its_own_write_left_on_release(tmp_path: Path) -> None:
+def test_an_interrupted_run_sweeps_what_its_own_writes_left_on_release(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     with pytest.raises(KeyboardInterrupt), checkpoint_module.hold_checkpoint_dir(ck):
-        (tmp_path / ".ck.x1y2.tmp").mkdir()  # a write's temp directory made just before the interruption
+        (tmp_path / ".ck.x1y2.tmp").mkdir()  # a write's temp directory its clean-up could not remove
         raise KeyboardInterrupt
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "the write's temp directory or the lock was left"
 

@@ -92,7 +92,7 @@ def hold_checkpoint_dir(directory: str | os.PathLike) -> Iterator[Path]:
         yield root
     finally:
         with contextlib.suppress(OSError):
-            _recover_swap(root)  # what an interruption left in a write's first or last moments
+            _recover_swap(root)  # what this run's writes could not remove themselves (a replaced checkpoint's rmtree that failed part-way)
         with contextlib.suppress(OSError):
             lock_path.unlink()
         os.close(fd)
