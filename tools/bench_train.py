@@ -264,6 +264,11 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
 
+def _per_stage(seconds: list[float]) -> str:
+    """Milliseconds per stage, first to last (an imbalance the closed-form bubbles assume away shows here)."""
+    return "/".join(f"{x * 1e3:.0f}" for x in seconds)
+
+
 def schedule_run(target: str, k: int, m: int, schedule: str, steps: int, work: Path, bind_cores: bool = False) -> dict:
     """bench_sim's measurement of one case (plan with profiled costs, split, `onnxpipe train DIR --json` in its own
     process, `--bind-cores` where asked, with the other work's runnable processes sampled, simulate the saved plan with
@@ -305,7 +310,8 @@ def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: 
                     lines.append(f"| {name} {tgt.name} k={k} m={m} | {turn} | {schedule} ({r['stages']} stages) | {r['load']:.1f} | {r['background']:.1f} | "
                                  f"{r['measured'] * 1e3:.1f} | {r['measured'] / one['measured']:.2f}x | {r['quiet'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | "
                                  f"{r['error']:+.1%} | {r['bubble_measured']:.1%} | {_ratio(r['bubble_measured'], one['bubble_measured'])} | "
-                                 f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {bound[m] * 1e3:.1f} | "
+                                 f"{r['bubble_simulated']:.1%} | {r['ideal']:.1%} | {sum(r['busy_measured']) * 1e3:.1f} | {_per_stage(r['busy_measured'])} | "
+                                 f"{_per_stage(r['busy_simulated'])} | {bound[m] * 1e3:.1f} | "
                                  f"{r['dedicated'] * 1e3:.1f} | {r['dedicated'] / one['dedicated']:.2f}x | {r['bubble_dedicated']:.1%} | "
                                  f"{_ratio(r['bubble_dedicated'], one['bubble_dedicated'])} |")
                     print(lines[-1], flush=True)
@@ -345,14 +351,15 @@ def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: 
         "(background), and simulate the saved plan alone (quiet) and with that background sharing the cores (simulated; error = "
         "simulated / measured - 1). Bubble = 1 - sum of stage busy time / (k devices x step), measured and simulated alike; "
         "ideal = the schedule's bubble at equal stage times ((k-1)/(m+k-1) 1F1B, (k-1)/(3m+k-1) ZB-H1 at equal F, B and W, "
-        "(k-1)/(2m+k-1) interleaved with two stages per device). Busy = the stages' summed compute seconds per step (wall clock). "
+        "(k-1)/(2m+k-1) interleaved with two stages per device). Busy = the stages' summed compute seconds per step (wall clock); per stage, measured and "
+        "simulated, first stage to last (the first stage's backward is lighter: it makes no gradient of the model's input). "
         "Core bound = the unpartitioned model's step in one process on one thread / the cores the workers share (the target's "
         "`cores`, else k): no schedule's step goes below it on this machine. A core per worker = the model planned and simulated "
         "on this host's model with as many cores as the target has devices (`bench_sim.core_per_worker`): the prediction for a "
         "machine where the workers do not share cores.",
         "",
-        "| case | round | schedule | load | background | measured ms | / 1F1B | simulated quiet ms | simulated ms | error | bubble measured | / 1F1B | bubble simulated | ideal | busy ms | core bound ms | a core per worker: simulated ms | / 1F1B | bubble | / 1F1B |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | round | schedule | load | background | measured ms | / 1F1B | simulated quiet ms | simulated ms | error | bubble measured | / 1F1B | bubble simulated | ideal | busy ms | busy ms per stage | simulated per stage | core bound ms | a core per worker: simulated ms | / 1F1B | bubble | / 1F1B |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *lines,
         "",
         "Goals:",
