@@ -21,6 +21,7 @@ from onnxpipe.units import plural
 
 __all__ = [
     "Action",
+    "COMPUTE_OPS",
     "SCHEDULES",
     "Table",
     "gpipe",
@@ -45,10 +46,9 @@ __all__ = [
 ]
 
 #: Compute ops: F forward, B backward (whole, or of the stage inputs only when the table has W), W weight
-#: gradients, STEP optimizer step. Communication ops (added by
-#: `add_communication`): RECV_F/SEND_F carry activations, RECV_B/SEND_B carry gradients.
+#: gradients, STEP optimizer step. Communication ops (added by `add_communication`): RECV_F/SEND_F carry
+#: activations, RECV_B/SEND_B carry gradients.
 COMPUTE_OPS = ("F", "B", "W", "STEP")
-COMM_OPS = ("RECV_F", "SEND_F", "RECV_B", "SEND_B")
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,6 @@ __all__ = ["EVENT_KINDS", "Event", "Simulation", "simulate", "pipeline_latency"]
 
 #: Kinds of timeline events. SEND/RECV span a transfer from its start to its arrival.
 EVENT_KINDS = ("F", "B", "W", "SEND", "RECV", "ALLREDUCE", "STEP")
-#: Kinds that count as busy.
-_COMPUTE = ("F", "B", "W", "STEP")
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ def simulate(table: sched.Table, stages: tuple[StageCost, ...], target: Target, 
     #: Per stage, per replica: its own compute (a device holding several stages splits its busy time among them).
     busy_s = [[0.0] * c.replicas for c in stages]
     for e in events:
-        if e.kind in _COMPUTE:
+        if e.kind in sched.COMPUTE_OPS:  # the kinds that count as busy
             busy_w[run.worker(e.stage, e.replica)] += e.end - e.start
             busy_s[e.stage][e.replica] += e.end - e.start
     peak_w = [max(b for _, b in samples) for samples in memory]
