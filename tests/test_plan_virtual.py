@@ -65,6 +65,40 @@ def test_auto_chooses_among_every_schedule() -> None:
     assert (p.schedule, len(p.stages)) == min(tried, key=tried.get)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
+def test_on_several_device_types_a_device_runs_all_its_stages(schedule: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    p = planned(schedule, 8, "hetero")
+    devices = {d.name for d in load_target("hetero").devices}
+    held: dict[int, set] = {}
+    for s, d in zip(p.stages, sched.placement(schedule, 8)):
+        held.setdefault(d, set()).add(s.devices)
+    # The stages the table puts on one device index run on one real device (so on one type), every device used once.
+    assert all(len(h) == 1 for h in held.values()) and {d for h in held.values() for (d,) in h} == devices
+    assert fits(p) and p.lower_bound_seconds <= p.bottleneck_seconds * (1 + 1e-9)
+    # Its bound holds over every pattern of types (the least of the 6 patterns' bounds, or the first-principles one where
+    # time ran out before all were searched): at most the least bottleneck found.
+    assert p.solver.bound_seconds <= p.solver.least_bottleneck_seconds * (1 + 1e-9)
+    p.save(tmp_path / "plan.json")
+    assert simulate_plan(Plan.read(tmp_path / "plan.json"), load_target("hetero")).iteration_seconds == pytest.approx(p.iteration_seconds)
+
+
+def test_every_pattern_of_device_types_is_searched_where_few() -> None:
+    from onnxpipe.plan.virtual import _patterns
+
+    every, complete = _patterns((2, 2), 4)
+    assert complete and len(every) == len(set(every)) == 6 and all(sorted(p) == [0, 0, 1, 1] for p in every)
+    assert _patterns((2, 2), 2) == ([(0, 0), (0, 1), (1, 0), (1, 1)], True)
+    # 4 + 4 devices have 70 patterns: only the two that keep each type side by side, and the bound says so.
+    assert _patterns((4, 4), 8) == ([(0, 0, 0, 0, 1, 1, 1, 1), (1, 1, 1, 1, 0, 0, 0, 0)], False)
+
+
+def test_auto_explores_several_stages_per_device_on_several_device_types() -> None:
+    p = plan(gpt2(), annotate(gpt2()), load_target("hetero"), stages=4, microbatches=4, schedule="auto", time_limit=10)
+    tried = {(c.schedule, c.stages): c.iteration_seconds for c in p.explored}
+    assert {("interleaved", 8), ("zb-v", 8)} <= set(tried)
+    assert p.iteration_seconds == pytest.approx(min(tried.values()))
+
+
 def test_a_device_must_hold_all_its_stages() -> None:
     p = planned("interleaved", 8)
     both = p.stages[0].memory.total + p.stages[4].memory.total
@@ -76,7 +110,6 @@ def test_a_device_must_hold_all_its_stages() -> None:
 
 
 @pytest.mark.parametrize(("target", "stages", "microbatches", "message"), [
-    ("hetero", 8, 4, "planner does on targets of one device type; hetero has 2"),
     ("fpga4", 7, 4, "pass --stages a multiple of 2 up to 8"),
     ("fpga4", 10, 4, "--stages 10 is more than the target's 4 devices; use at most 8"),
     ("fpga4", 8, "auto", "--microbatches auto explores the schedules of one stage per device"),

@@ -195,6 +195,8 @@ class _Model:
         for s in range(k):
             for g in range(len(counts)):
                 cp.add(self.in_group[s][g] == sum(self.y[s][o] for o, (h, _) in enumerate(self.options) if h == g))
+            if problem.stage_groups:
+                cp.add(self.in_group[s][problem.stage_groups[s]] == 1)
         self.rc = [cp.new_bool_var("") for _ in range(k)]
         for v in self.rc:
             if recompute != "auto":

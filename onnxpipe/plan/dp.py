@@ -110,6 +110,8 @@ def solve_dp(
                 continue
             spare = total - sum(used) - (stages - s - 1)
             for g, r in _choices(counts, used, spare, replicas, in_order):
+                if problem.stage_groups and g != problem.stage_groups[s]:
+                    continue
                 times = _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flights[s], recompute)
                 cand = np.maximum(best[:, None], times)
                 if s == stages - 1:

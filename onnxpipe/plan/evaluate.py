@@ -20,7 +20,7 @@ from onnxpipe.schedule import stage_rows
 from onnxpipe.simulate import simulate
 from onnxpipe.units import format_bytes, plural
 
-__all__ = ["Assignment", "evaluate", "fits", "within", "overflow"]
+__all__ = ["Assignment", "evaluate", "fits", "within", "placed", "overflow"]
 
 
 def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None = None, replicas: bool = True, bounds: Bounds | None = None) -> Plan:
@@ -61,8 +61,15 @@ def fits(plan: Plan) -> bool:
 
 
 def within(problem: Problem, plan: Plan) -> bool:
-    """The plan fits and its latency is within the problem's bound (`Problem.max_latency`)."""
-    return fits(plan) and plan.latency_seconds <= problem.max_latency * (1 + 1e-9)
+    """The plan fits, its stages run where the problem places them (`placed`) and its latency is within the problem's
+    bound (`Problem.max_latency`)."""
+    return placed(problem, plan) and fits(plan) and plan.latency_seconds <= problem.max_latency * (1 + 1e-9)
+
+
+def placed(problem: Problem, plan: Plan) -> bool:
+    """Every stage runs on the device group the problem fixes for it (`Problem.stage_groups`; none fixed: any)."""
+    return not problem.stage_groups or (len(plan.stages) == len(problem.stage_groups) and all(
+        problem.group_of(d) == g for s, g in zip(plan.stages, problem.stage_groups) for d in s.devices))
 
 
 def overflow(plan: Plan) -> str:

@@ -128,22 +128,25 @@ def plan(
 def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, *, recompute: str, deadline: Deadline,
                         progress: Callable[[str], None] | None) -> list[Plan]:
     """The schedules that give each device several stages (interleaved 1F1B, ZB-V), planned on as many devices as
-    `best` uses at its micro-batch count, where they apply (one device type, no replicas, micro-batches that fit
-    the table)."""
+    `best` uses at its micro-batch count, where they apply (no replicas, micro-batches that fit the table)."""
     k = len(best.stages)
-    if len(target.groups()) > 1 or any(len(s.devices) > 1 for s in best.stages):
+    if any(len(s.devices) > 1 for s in best.stages):
         return []
     found = []
-    for name, (_, v) in TABLES.items():
-        if v > 1 and (name != "interleaved" or best.microbatches % k == 0) and not deadline.passed():
-            if progress:
-                progress(f"exploring {name}, {plural(best.microbatches, 'micro-batch')}, {plural(v * k, 'stage')} on {plural(k, 'device')}")
-            try:
-                found.append(plan_virtual(graph, costs, target, schedule=name, stages=v * k, batch=best.batch, microbatches=best.microbatches,
-                                          optimizer=best.optimizer, recompute=recompute, time_limit=deadline.seconds, progress=progress,
-                                          deadline=deadline))
-            except OnnxpipeError:  # no cut into v x k stages fits (or there are fewer nodes): the others stand
-                continue
+    names = [name for name, (_, v) in TABLES.items() if v > 1 and (name != "interleaved" or best.microbatches % k == 0)]
+    for i, name in enumerate(names):
+        if deadline.passed():
+            break
+        v = virtual(name)
+        if progress:
+            progress(f"exploring {name}, {plural(best.microbatches, 'micro-batch')}, {plural(v * k, 'stage')} on {plural(k, 'device')}")
+        share = deadline.within(deadline.remaining() / ((len(names) - i) * deadline.seconds))  # each schedule an equal share of what is left
+        try:
+            found.append(plan_virtual(graph, costs, target, schedule=name, stages=v * k, batch=best.batch, microbatches=best.microbatches,
+                                      optimizer=best.optimizer, recompute=recompute, time_limit=deadline.seconds, progress=progress,
+                                      deadline=share))
+        except OnnxpipeError:  # no cut into v x k stages fits (or there are fewer nodes): the others stand
+            continue
     return found
 
 

@@ -33,7 +33,7 @@ from onnxpipe.plan.coarsen import Blocks, coarsen, refine
 from onnxpipe.plan.cpsat import CpResult, Stop, half_the_cores, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
-from onnxpipe.plan.evaluate import evaluate, fits, within
+from onnxpipe.plan.evaluate import evaluate, fits, placed, within
 from onnxpipe.plan.layout import EXACT_REPLICAS, Layout, to_assignment
 from onnxpipe.plan.probe import probe
 from onnxpipe.pricing.problem import Problem
@@ -145,7 +145,7 @@ def solve(
     best = _choose(problem, found, by_iteration)
     least = _choose(problem, found)
     if best is None or least is None:
-        fitting = [p.latency_seconds for p in found if fits(p)]
+        fitting = [p.latency_seconds for p in found if fits(p) and placed(problem, p)]
         raise OnnxpipeError(latency_message(problem, fitting, stages) if fitting else infeasible_message(problem, bound, stages))
     objective = best.bottleneck_seconds
     # Over the blocks CP-SAT searched last: its bound (its model is the pricing rule `evaluate` applies, each term rounded

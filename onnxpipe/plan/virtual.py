@@ -3,14 +3,18 @@ planner on a target whose every device counts v times (one virtual device per st
 1/v of its memory: its stages share it), then each stage put on the device the schedule's table places it
 on (`schedule.placement`), and the assignment priced and simulated on the real target under that table.
 
-Stages of one device type only: which stage lands on which device is the schedule's, not the solver's,
-so on a target of several device types the solver's choice of types would not survive the placement.
+On a target of several device types, the stages a device holds run on its type: which device index holds which
+type (a pattern) fixes each stage's type (`Problem.stage_groups`), and each pattern is cut in turn, a share of the
+time each, the plan of least predicted iteration kept. Every pattern where there are at most `_MOST_PATTERNS`;
+beyond, those that keep each type's devices side by side, in every order of the types (the bound then is the
+first-principles one, as the other patterns were not searched).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 from onnxpipe import schedule as sched
 from onnxpipe.cost import Costs
@@ -18,14 +22,17 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.deadline import Deadline
-from onnxpipe.plan.evaluate import evaluate
-from onnxpipe.plan.result import Plan
+from onnxpipe.plan.evaluate import evaluate, fits
+from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.plan.solve import solve
-from onnxpipe.pricing.problem import build_problem
+from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.pricing.stage import Assignment
 from onnxpipe.target import Target
 
 __all__ = ["plan_virtual"]
+
+#: Device-type patterns searched one by one up to this many (2 + 2 devices of two types: 6; 4 + 4: 70).
+_MOST_PATTERNS = 24
 
 
 def plan_virtual(
@@ -45,31 +52,88 @@ def plan_virtual(
 ) -> Plan:
     """The plan of `stages` stages (default: v per device) under a schedule that gives each device v of them."""
     v = sched.virtual(schedule)
-    groups = target.groups()
-    if len(groups) > 1:
-        raise OnnxpipeError(
-            f"schedule {schedule} puts {v} stages on each device, which the planner does on targets of one device type; "
-            f"{target.name} has {len(groups)} ({', '.join(groups)}): plan it with {', '.join(sched.SCHEDULES)}"
-        )
     count = stages or v * len(target.devices)
     if count % v or not v <= count <= v * len(target.devices):
         raise OnnxpipeError(
             f"schedule {schedule} needs {v} stages per device: pass --stages a multiple of {v} up to {v * len(target.devices)} (got {count})"
         )
     virtual = build_problem(graph, costs, _split_devices(target, v), batch=batch, microbatches=microbatches, schedule="1f1b", optimizer=optimizer)
+    problem = build_problem(graph, costs, target, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=optimizer)
     deadline = deadline or Deadline(time_limit)
     bounds = Bounds(virtual, deadline)
-    cut = solve(virtual, count, recompute=recompute, replicas=False, deadline=deadline, progress=progress, bounds=bounds)
-    names = [d.name for d in target.devices]
     place = sched.placement(schedule, count)
-    assignment = Assignment(
-        stages=tuple(s.nodes for s in cut.stages),
-        devices=tuple((names[place[s]],) for s in range(count)),
-        recompute=tuple(s.recompute for s in cut.stages),
-    )
-    problem = build_problem(graph, costs, target, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=optimizer)
-    # The bound of the cut: k x v stages each on its own device of the same speed, the family the placement belongs to.
-    return evaluate(problem, assignment, cut.solver, replicas=False, bounds=bounds)
+    patterns, every = _patterns(tuple(len(d) for d in problem.group_devices), count // v)
+    several = len(problem.group_devices) > 1
+    found: list[tuple[Plan, Plan]] = []  # (the cut on the virtual target, it placed on the real one)
+    failure: OnnxpipeError | None = None
+    for i, pattern in enumerate(patterns):
+        if deadline.passed() and found:
+            every = False
+            break
+        fixed = dataclasses.replace(virtual, stage_groups=tuple(pattern[place[s]] for s in range(count))) if several else virtual
+        if several and progress:
+            progress(f"{schedule}: devices of types {', '.join(virtual.groups[g] for g in pattern)} (pattern {i + 1} of {len(patterns)})")
+        share = deadline.within(deadline.remaining() / ((len(patterns) - i) * deadline.seconds)) if several else deadline
+        try:
+            cut = solve(fixed, count, recompute=recompute, replicas=False, deadline=share, progress=progress, bounds=bounds)
+        except OnnxpipeError as exc:  # no cut of this pattern fits: the others stand
+            failure = exc
+            continue
+        devices = _devices(problem, pattern)
+        assignment = Assignment(
+            stages=tuple(s.nodes for s in cut.stages),
+            devices=tuple((devices[place[s]],) for s in range(count)),
+            recompute=tuple(s.recompute for s in cut.stages),
+        )
+        # The bound of the cut: k x v stages each on its own device of the same speed, the family the placement belongs to.
+        found.append((cut, evaluate(problem, assignment, cut.solver, replicas=False, bounds=bounds)))
+    if not found:
+        assert failure is not None
+        raise failure
+    cut, plan = min(found, key=lambda f: (not fits(f[1]), f[1].iteration_seconds))
+    if not several:
+        return plan
+    return dataclasses.replace(plan, solver=_over_patterns(cut, [c for c, _ in found], every and len(found) == len(patterns), bounds(count, False).seconds))
+
+
+def _patterns(counts: tuple[int, ...], used: int) -> tuple[list[tuple[int, ...]], bool]:
+    """The device type (group) of each of `used` device indices, at most counts[g] of group g; and whether these are all
+    of them (else: each group's devices side by side, every order of the groups, the first `used` of each order)."""
+    every = list(itertools.islice(_sequences(counts, used), _MOST_PATTERNS + 1))
+    if len(every) <= _MOST_PATTERNS:
+        return every, True
+    side_by_side = {tuple(g for g in order for _ in range(counts[g]))[:used] for order in itertools.permutations(range(len(counts)))}
+    return sorted(side_by_side), False
+
+
+def _sequences(counts: tuple[int, ...], used: int) -> Iterator[tuple[int, ...]]:
+    """Every sequence of `used` groups with at most counts[g] of group g, lazily (there can be very many)."""
+    if used == 0:
+        yield ()
+        return
+    for g, c in enumerate(counts):
+        if c:
+            rest = tuple(n - (h == g) for h, n in enumerate(counts))
+            yield from ((g, *tail) for tail in _sequences(rest, used - 1))
+
+
+def _devices(problem: Problem, pattern: tuple[int, ...]) -> list[str]:
+    """The real device at each index of a pattern: the next unused one of its group, in file order."""
+    left = [list(names) for names in problem.group_devices]
+    return [left[g].pop(0) for g in pattern]
+
+
+def _over_patterns(chosen: Plan, cuts: list[Plan], every: bool, floor: float) -> SolveInfo:
+    """The chosen cut's solver figures over every pattern searched: a bound holds for every plan only as the least of the
+    patterns' bounds when every pattern was searched (each holds for its own pattern), else it is the first-principles one."""
+    info = chosen.solver
+    assert info is not None
+    bound = min(c.solver.bound_seconds for c in cuts if c.solver) if every else floor
+    objective = chosen.bottleneck_seconds
+    least = min(c.solver.least_bottleneck_seconds or c.bottleneck_seconds for c in cuts if c.solver)
+    status = "OPTIMAL" if every and all(c.solver and c.solver.status == "OPTIMAL" for c in cuts) and objective <= bound * (1 + 1e-9) else "FEASIBLE"
+    return dataclasses.replace(info, status=status, bound_seconds=bound, gap=max(0.0, (objective - bound) / objective) if objective > 0 else 0.0,
+                               solve_seconds=sum(c.solver.solve_seconds for c in cuts if c.solver), least_bottleneck_seconds=least)
 
 
 def _split_devices(target: Target, v: int) -> Target:

@@ -107,6 +107,10 @@ class Problem:
     mode: str = "training"
     #: Inference: the most seconds a plan's latency may take (`Plan.latency_seconds`); plans above it are not taken.
     max_latency: float = math.inf
+    #: The device group stage s must run on, for each stage s, where the schedule places the stages (`plan.virtual`: a
+    #: device holding several stages runs them all on its type); empty: the solvers choose. Like `max_latency`, plans
+    #: breaking it are not taken (`plan.evaluate.within`); the DP and CP-SAT only build such plans.
+    stage_groups: tuple[int, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -142,7 +146,7 @@ class Problem:
         if keep["batch"] == self.batch and keep["microbatches"] == self.microbatches:
             return dataclasses.replace(self, schedule=keep["schedule"], optimizer=keep["optimizer"])
         rebuilt = build_problem(self.graph, self.costs, self.target, dtype=self.dtype, mode=self.mode, **keep)  # type: ignore[arg-type]
-        return dataclasses.replace(rebuilt, max_latency=self.max_latency)
+        return dataclasses.replace(rebuilt, max_latency=self.max_latency, stage_groups=self.stage_groups)
 
     def flights(self, stages: int) -> tuple[int, ...]:
         """Micro-batches whose activations each of `stages` stages holds at once: the schedule's in flight
