@@ -352,7 +352,7 @@ def schedule_rows(targets: list[str], loaded: list[Target], steps: int, rounds: 
         "simulated / measured - 1). Bubble = 1 - sum of stage busy time / (k devices x step), measured and simulated alike; "
         "ideal = the schedule's bubble at equal stage times ((k-1)/(m+k-1) 1F1B, (k-1)/(3m+k-1) ZB-H1 at equal F, B and W, "
         "(k-1)/(2m+k-1) interleaved with two stages per device). Busy = the stages' summed compute seconds per step (wall clock); per stage, measured and "
-        "simulated, first stage to last (the first stage's backward is lighter: it makes no gradient of the model's input). "
+        "simulated, first stage to last (plans need not be balanced: the planner trades balance for iteration time). "
         "Core bound = the unpartitioned model's step in one process on one thread / the cores the workers share (the target's "
         "`cores`, else k): no schedule's step goes below it on this machine. A core per worker = the model planned and simulated "
         "on this host's model with as many cores as the target has devices (`bench_sim.core_per_worker`): the prediction for a "
