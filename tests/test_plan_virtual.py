@@ -90,6 +90,9 @@ def test_every_pattern_of_device_types_is_searched_where_few() -> None:
     assert _patterns((2, 2), 2) == ([(0, 0), (0, 1), (1, 0), (1, 1)], True)
     # 4 + 4 devices have 70 patterns: only the two that keep each type side by side, and the bound says so.
     assert _patterns((4, 4), 8) == ([(0, 0, 0, 0, 1, 1, 1, 1), (1, 1, 1, 1, 0, 0, 0, 0)], False)
+    # Thousands of devices: one type is one pattern; two are side by side, without enumerating the rest.
+    assert _patterns((3000,), 3000) == ([(0,) * 3000], True)
+    assert _patterns((1500, 1500), 3000) == ([(0,) * 1500 + (1,) * 1500, (1,) * 1500 + (0,) * 1500], False)
 
 
 def test_auto_explores_several_stages_per_device_on_several_device_types() -> None:
