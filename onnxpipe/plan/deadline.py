@@ -35,6 +35,11 @@ class Deadline:
         steps after it (exploring before solving the winner) stops there."""
         return Deadline(self.seconds, self.clock, start=self.start, end=min(self.end, self.start + share * self.seconds))
 
+    def share_of_rest(self, steps: int) -> Deadline:
+        """The same budget ending 1/`steps` of what is left from now: the next of `steps` steps that share the rest
+        equally (the device-type patterns of a schedule, the schedules of several stages per device)."""
+        return Deadline(self.seconds, self.clock, start=self.start, end=min(self.end, self.clock() + self.remaining() / steps))
+
     def within(self, share: float) -> Deadline:
         """The same budget ending `share` of it from now, never later: a step repeated many times (each
         stage count's lower bound) takes at most that each time."""

@@ -140,7 +140,7 @@ def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, 
         v = virtual(name)
         if progress:
             progress(f"exploring {name}, {plural(best.microbatches, 'micro-batch')}, {plural(v * k, 'stage')} on {plural(k, 'device')}")
-        share = deadline.within(deadline.remaining() / ((len(names) - i) * deadline.seconds))  # each schedule an equal share of what is left
+        share = deadline.share_of_rest(len(names) - i)  # each schedule an equal share of what is left
         try:
             found.append(plan_virtual(graph, costs, target, schedule=name, stages=v * k, batch=best.batch, microbatches=best.microbatches,
                                       optimizer=best.optimizer, recompute=recompute, time_limit=deadline.seconds, progress=progress,

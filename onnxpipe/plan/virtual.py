@@ -73,7 +73,7 @@ def plan_virtual(
         fixed = dataclasses.replace(virtual, stage_groups=tuple(pattern[place[s]] for s in range(count))) if several else virtual
         if several and progress:
             progress(f"{schedule}: devices of types {', '.join(virtual.groups[g] for g in pattern)} (pattern {i + 1} of {len(patterns)})")
-        share = deadline.within(deadline.remaining() / ((len(patterns) - i) * deadline.seconds)) if several else deadline
+        share = deadline.share_of_rest(len(patterns) - i) if several else deadline
         try:
             cut = solve(fixed, count, recompute=recompute, replicas=False, deadline=share, progress=progress, bounds=bounds)
         except OnnxpipeError as exc:  # no cut of this pattern fits: the others stand
