@@ -351,16 +351,18 @@ def test_exploration_keeps_the_fastest_feasible_configuration() -> None:
 
 def test_exploration_is_never_slower_than_a_baseline_of_any_configuration_explored() -> None:
     """GNMT-8 on hetero: PipeDream's planner at 4 stages, 8 micro-batches, 1F1B beats the DP's plan of
-    every configuration, so exploring the DP's plans alone would lose to it."""
+    every configuration, so exploring the DP's plans alone would lose to it. The configurations are those the plan
+    says it explored: on a loaded machine the time limit may end exploring before every micro-batch count is tried."""
     from onnxpipe.models import build
 
     graph = load(build("gnmt8"))
     costs, target = annotate(graph), load_target("hetero")
     p = plan(graph, costs, target, batch=8, microbatches="auto", schedule="auto", time_limit=5)
     base = build_problem(graph, costs, target, batch=8, microbatches=1)
+    explored = {(c.microbatches, c.schedule, c.stages) for c in p.explored if c.schedule in ("gpipe", "1f1b")}
     theirs = [
         b.iteration_seconds
-        for m in (1, 2, 4, 8) for schedule in ("gpipe", "1f1b") for k in (1, 2, 3, 4)
+        for m, schedule, k in sorted(explored)
         for b in baselines(base.with_options(microbatches=m, schedule=schedule), k).values() if fits(b)
     ]
     assert theirs and p.iteration_seconds <= min(theirs) * (1 + 1e-9)
