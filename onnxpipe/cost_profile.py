@@ -41,6 +41,7 @@ from onnxpipe.ortutil import (
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
+from onnxpipe.rewrites import rewrite_for_training
 from onnxpipe.units import format_bytes
 
 __all__ = [
@@ -354,16 +355,16 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     wanted = {p for p in graph.trained if p in used}
     if not floats or not wanted or model.ByteSize() >= _TWO_GB:
         return None
-    lossy = onnx.ModelProto()
-    lossy.CopyFrom(model)
+    # A copy, with the exporter patterns training rewrites rewritten (train/graphs.py): without them T5's backward does not run.
+    lossy, _ = rewrite_for_training(model)
     first = graph.tensors[floats[0]]
     if first.shape in ((), (1,)) and first.dtype == "float32" and floats[0] == graph.outputs[0]:
         loss = floats[0]
     else:
         loss = _append_sum_loss(lossy.graph, floats)
+    complete_optional_outputs(lossy.graph)  # the gradient builder needs them (LayerNormalization's Mean, say), as in training
     try:
-        if any(n.op_type in REWRITTEN_OPS for n in lossy.graph.node):  # as training prepares them (train/graphs.py)
-            complete_optional_outputs(lossy.graph)
+        if any(n.op_type in REWRITTEN_OPS for n in lossy.graph.node):
             lossy = onnx.load_from_string(pretraining_rewrite(lossy.SerializeToString(), wanted))
             # The rewrites merge equal-valued initializers (BatchNormalization's zero biases, say): time the survivors.
             wanted &= {t.name for t in lossy.graph.initializer} | {i.name for i in lossy.graph.input}

@@ -7,8 +7,13 @@ on a copy of a stage model before its gradient graph is built; stage files keep 
   optimisation writes `tensor.split(...)` so) -> Split (+ Identity, or Squeeze for keepdims=0).
 - CastLike(x, like) -> Cast(x, to=like's dtype): the same conversion, and onnxruntime-training
   has no CastLike gradient (the same export scales attention scores with it).
+- Where's values and Pow's base, when broadcast to a larger output, -> Expand to the output's shape
+  first: onnxruntime-training differentiates both elementwise without summing the gradient back over
+  the broadcast axes, so the gradient comes out in the output's shape (T5's attention, Where(mask,
+  position bias [1, heads, q, k], ...), fails to build; a weight read so would get a gradient of the
+  wrong shape). Expand's gradient sums back.
 
-Reading order: `Rewrite` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like`.
+Reading order: `Rewrite` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def rewrite_for_training(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple
     """A copy of `model` with every known non-differentiable exporter pattern replaced, and what was replaced."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    done = _split_to_sequence(out) + _cast_like(out)
+    done = _split_to_sequence(out) + _cast_like(out) + _expand_broadcast(out)
     return out, tuple(done)
 
 
@@ -169,6 +174,58 @@ def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
         done.append(Rewrite("SplitToSequence+SequenceAt -> Split", node.name))
     if done:
         nodes = [n for old in graph.node for n in replaced.get(id(old), [old])]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return done
+
+
+#: Op -> the input slots onnxruntime-training 1.19.2 differentiates without summing back a broadcast (asked of its
+#: gradient builder: Add, Sub, Mul, Div, Min and Max sum back; Where's two values and Pow's base do not).
+_UNREDUCED = {"Where": (1, 2), "Pow": (0,)}
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
+
+
+def _shape(types: Mapping[str, onnx.TypeProto], tensor: str) -> tuple | None:
+    """A tensor's dims (int, or the dim's name), None where its rank or any dim is unknown."""
+    found = types.get(tensor)
+    if found is None or not found.tensor_type.HasField("shape"):
+        return None
+    dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in found.tensor_type.shape.dim)
+    return None if None in dims else dims
+
+
+def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
+    graph = model.graph
+    if not any(n.op_type in _UNREDUCED and n.domain in ("", "ai.onnx") for n in graph.node):
+        return []
+    types = _types(model)
+    done: list[Rewrite] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        slots = _UNREDUCED.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+        for slot in slots:
+            name = node.input[slot] if slot < len(node.input) else ""
+            found = types.get(name)
+            if not name or found is None or found.tensor_type.elem_type not in _FLOATS:
+                continue
+            out = _shape(types, node.output[0])
+            if out is not None and _shape(types, name) == out:
+                continue  # not broadcast
+            base = f"{node.name or node.output[0]}/onnxpipe_expand{slot}"
+            if out is not None and all(isinstance(d, int) for d in out):
+                graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), f"{base}/shape"))
+                nodes.append(helper.make_node("Expand", [name, f"{base}/shape"], [base], name=base))
+            else:  # the output's shape is the broadcast of every input's: expand by each of the others in turn
+                current = name
+                for i, other in enumerate(x for j, x in enumerate(node.input) if j != slot and x):
+                    nodes += [helper.make_node("Shape", [other], [f"{base}/shape{i}"], name=f"{base}/shape{i}"),
+                              helper.make_node("Expand", [current, f"{base}/shape{i}"], [f"{base}/{i}"], name=f"{base}/{i}")]
+                    current = f"{base}/{i}"
+                base = current
+            node.input[slot] = base
+            done.append(Rewrite(f"{node.op_type} broadcast input -> Expand", node.name))
+        nodes.append(node)
+    if done:
         del graph.node[:]
         graph.node.extend(nodes)
     return done

@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.cost import annotate, read_annotated, summarize, write_annotated
+from onnxpipe.cost_profile import profile_times
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
 
@@ -390,6 +391,25 @@ def test_profile_times_the_backward_of_ops_training_rewrites(name, knobs, op):
     assert rewritten and all(c.measured_backward_seconds is not None and c.measured_backward_seconds > 0 for c in rewritten)
     if op == "LSTM":
         assert all(c.measured_backward_seconds > 2 * c.measured_seconds for c in rewritten)
+
+
+def test_profile_times_the_backward_of_a_dynamo_export_as_training_builds_it() -> None:
+    """torch.onnx's dynamo exporter writes LayerNormalization with its output alone (the gradient builder needs its Mean
+    and InvStdDev) and CastLike (which has no gradient): the profile's gradient graph is built as training builds it,
+    optional outputs spelled out and `rewrites` applied, so it times the backward instead of guessing it by FLOPs."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="matmul"),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], name="norm", axis=-1),
+             helper.make_node("CastLike", ["half", "n"], ["scale"], name="castlike"),
+             helper.make_node("Mul", ["n", "scale"], ["y"], name="scaled"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], name="loss", keepdims=0)]
+    inits = [numpy_helper.from_array(rng.normal(size=(64, 64)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.ones(64, np.float32), "gamma"), numpy_helper.from_array(np.zeros(64, np.float32), "beta"),
+             numpy_helper.from_array(np.array(0.5, np.float64), "half")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    measured = profile_times(load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)), runs=2, warmup=1)
+    assert all(measured.backward.get(n, 0.0) > 0 for n in ("matmul", "norm"))  # timed, not the FLOP-ratio fallback `annotate` fills in
 
 
 def test_every_weight_counts_at_its_real_bytes() -> None:

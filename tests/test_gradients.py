@@ -125,3 +125,43 @@ def test_cast_like_becomes_cast_bit_identically() -> None:
     assert [r.pattern for r in done] == ["CastLike -> Cast"]
     x = RNG.normal(size=(2, 3)).astype(np.float32)
     assert np.array_equal(cpu_session(model.SerializeToString()).run(None, {"x": x})[0], cpu_session(rewritten.SerializeToString()).run(None, {"x": x})[0])
+
+
+@pytest.mark.parametrize("batch", [2, "batch"])
+def test_broadcast_where_values_and_pow_base_get_gradients_of_their_own_shape(batch: int | str) -> None:
+    """onnxruntime-training differentiates Where's values and Pow's base without summing over the axes they were
+    broadcast along: the weights' gradients would come out [2, 3, 4]. Expanded first, they are summed back; with a
+    symbolic batch the output's shape is known only at run time (Shape + Expand)."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["mask"], name="mask"),
+             helper.make_node("Where", ["mask", "w", "zero"], ["picked"], name="where"),
+             helper.make_node("Mul", ["picked", "x"], ["weighted"], name="weighted"),
+             helper.make_node("Pow", ["v", "e"], ["powered"], name="pow"),
+             helper.make_node("Add", ["weighted", "powered"], ["both"], name="both"),
+             helper.make_node("ReduceSum", ["both"], ["loss"], name="sum", keepdims=0)]
+    w, v = RNG.normal(size=(1, 3, 4)).astype(np.float32), RNG.uniform(0.5, 1.5, size=(1, 3, 4)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v"), numpy_helper.from_array(np.array(0, np.float32), "zero")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 4]),
+                           helper.make_tensor_value_info("e", TensorProto.FLOAT, [batch, 3, 4])],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    rewritten, done = rewrite_for_training(model)
+    # Where's scalar zero is broadcast too: expanded alike (no gradient is asked of it; the values stay the same)
+    assert sorted(r.pattern for r in done) == ["Pow broadcast input -> Expand"] + ["Where broadcast input -> Expand"] * 2
+    x, e = RNG.normal(size=(2, 3, 4)).astype(np.float32), RNG.uniform(1, 3, size=(2, 3, 4)).astype(np.float32)
+    feeds = {"x": x, "e": e}
+    assert np.array_equal(cpu_session(model.SerializeToString(), optimize=False).run(None, feeds)[0],
+                          cpu_session(rewritten.SerializeToString(), optimize=False).run(None, feeds)[0])
+    grad = gradient_model(rewritten.SerializeToString(), "loss", {"w", "v"})
+    w_grad, v_grad = cpu_session(grad.SerializeToString()).run(["w_grad", "v_grad"], feeds)
+    np.testing.assert_allclose(w_grad, np.where(x > 0, x, 0).sum(axis=0, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(v_grad, (e * v ** (e - 1)).sum(axis=0, keepdims=True), rtol=1e-5)
+
+
+def test_inputs_of_the_output_shape_are_left_alone() -> None:
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["mask"], name="mask"),
+             helper.make_node("Where", ["mask", "x", "y"], ["picked"], name="where"),
+             helper.make_node("Pow", ["picked", "two"], ["loss"], name="pow")]
+    inits = [numpy_helper.from_array(np.array(0, np.float32), "zero"), numpy_helper.from_array(np.array(2, np.float32), "two")]
+    model = _model(nodes, [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3]) for name in ("x", "y")],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [2, 3])], inits)
+    rewritten, done = rewrite_for_training(model)
+    assert done == () and [n.op_type for n in rewritten.graph.node] == ["Greater", "Where", "Pow"]
