@@ -215,13 +215,10 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
             if out is not None and all(isinstance(d, int) for d in out):
                 graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), f"{base}/shape"))
                 nodes.append(helper.make_node("Expand", [name, f"{base}/shape"], [base], name=base))
-            else:  # the output's shape is the broadcast of every input's: expand by each of the others in turn
-                current = name
-                for i, other in enumerate(x for j, x in enumerate(node.input) if j != slot and x):
-                    nodes += [helper.make_node("Shape", [other], [f"{base}/shape{i}"], name=f"{base}/shape{i}"),
-                              helper.make_node("Expand", [current, f"{base}/shape{i}"], [f"{base}/{i}"], name=f"{base}/{i}")]
-                    current = f"{base}/{i}"
-                base = current
+            else:  # known at run time only: the shape of the node run once more (Shape passes no gradient back)
+                nodes += [helper.make_node(node.op_type, list(node.input), [f"{base}/like"], name=f"{base}/like"),
+                          helper.make_node("Shape", [f"{base}/like"], [f"{base}/shape"], name=f"{base}/shape"),
+                          helper.make_node("Expand", [name, f"{base}/shape"], [base], name=base)]
             node.input[slot] = base
             done.append(Rewrite(f"{node.op_type} broadcast input -> Expand", node.name))
         nodes.append(node)

@@ -167,33 +167,36 @@ def _fold_pass(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]], ty
     if not known:
         known.update(_small_constants(model))
     new: set[str] = set()
-    for node in model.graph.node:
-        outs = [o for o in node.output if o]
-        if not outs or all(o in known for o in outs) or not _foldable(node):
-            continue
-        if node.op_type in ("Shape", "Size"):
-            shape = shapes.get(node.input[0])
-            if shape is None:
+    # Folding computes what the model computes: T5's position buckets take log(0) and cast -inf to int, values its
+    # Where then drops; numpy's warnings about them would reach the user as noise.
+    with np.errstate(all="ignore"):
+        for node in model.graph.node:
+            outs = [o for o in node.output if o]
+            if not outs or all(o in known for o in outs) or not _foldable(node):
                 continue
-            values = [_shape_value(node, shape)]
-        elif node.op_type == "CastLike":
-            if node.input[0] not in known or not types.get(node.input[1]):
-                continue
-            values = [known[node.input[0]].astype(helper.tensor_dtype_to_np_dtype(types[node.input[1]]))]
-        else:
-            inputs = [i for i in node.input]
-            if any(i and i not in known for i in inputs):
-                continue
-            if any(shapes.get(o) is None or math.prod(shapes[o]) > FOLD_ELEMENTS for o in outs):
-                continue
-            try:
-                values = evaluate(node, [known[i] if i else None for i in inputs], _opset(model, node.domain))
-            except Exception:  # noqa: BLE001 - an op we cannot fold stays a node; inference copes or reports it
-                continue
-        for name, value in zip(node.output, values):
-            if name:
-                known[name] = np.asarray(value)
-        new.add(node.name)
+            if node.op_type in ("Shape", "Size"):
+                shape = shapes.get(node.input[0])
+                if shape is None:
+                    continue
+                values = [_shape_value(node, shape)]
+            elif node.op_type == "CastLike":
+                if node.input[0] not in known or not types.get(node.input[1]):
+                    continue
+                values = [known[node.input[0]].astype(helper.tensor_dtype_to_np_dtype(types[node.input[1]]))]
+            else:
+                inputs = [i for i in node.input]
+                if any(i and i not in known for i in inputs):
+                    continue
+                if any(shapes.get(o) is None or math.prod(shapes[o]) > FOLD_ELEMENTS for o in outs):
+                    continue
+                try:
+                    values = evaluate(node, [known[i] if i else None for i in inputs], _opset(model, node.domain))
+                except Exception:  # noqa: BLE001 - an op we cannot fold stays a node; inference copes or reports it
+                    continue
+            for name, value in zip(node.output, values):
+                if name:
+                    known[name] = np.asarray(value)
+            new.add(node.name)
     return new
 
 

@@ -9,6 +9,10 @@ are exported twice by the dynamo exporter, with its default optimisation (which 
 identical LayerNorm ones and zeros into one initializer each) and with `optimize=False` (which keeps
 SplitToSequence/SequenceAt). Beside them, `torch_gpt2.npz` holds three training batches (and the LayerNorm
 weights after training) and `torch_gpt2.json` the losses PyTorch's own SGD reaches on them: pipelined training must reproduce them.
+The T5 fixture (transformers' T5ForConditionalGeneration, 2 + 2 layers, vocab 64, d 32, freshly initialised) is
+exported by the TorchScript exporter, as many users still export T5, with its loss as the output, and
+`torch_t5.npz` / `torch_t5.json` likewise: its attention adds the relative position bias [1, heads, q, k] under a
+broadcast Where, which onnxruntime-training cannot differentiate as exported (`onnxpipe.rewrites`).
 The Conv1D biases are drawn at random instead of torch's zeros: the default optimisation deletes an
 all-zero Gemm bias (onnxscript's RemoveOptionalBiasFromGemm), and a weight missing from the file
 cannot be trained like PyTorch trains it.
@@ -26,7 +30,7 @@ import transformers.utils.import_utils
 # transformers imports torchvision when it is installed, and a torchvision built for another torch fails to
 # import; GPT-2 needs none of it.
 transformers.utils.is_torchvision_available = transformers.utils.import_utils.is_torchvision_available = lambda: False
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data"
 
@@ -119,6 +123,54 @@ def export_gpt2() -> None:
     (OUT / "torch_gpt2.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+T5_STEPS, T5_BATCH, T5_SEQ, T5_LR = 3, 4, 8, 0.1
+
+
+class T5WithLoss(nn.Module):
+    """transformers' T5 with its language-model head, ending in the mean token cross-entropy against `labels`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                          relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False)
+        self.t5 = T5ForConditionalGeneration(config)
+        # Untied: the TorchScript exporter writes a head tied to the embedding as a transposed copy of its own, which
+        # training then moves apart from the embedding where torch keeps them one.
+        self.t5.lm_head.weight = nn.Parameter(self.t5.shared.weight.detach().clone())
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.t5(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=False)[0]
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def export_t5() -> None:
+    """The T5 export, the training batches (a padded tail in the attention mask), and PyTorch's SGD losses on them."""
+    import json
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = T5WithLoss().eval()
+    shape = (T5_STEPS, T5_BATCH, T5_SEQ)
+    ids, decoder_ids, labels = (torch.randint(0, 64, shape) for _ in range(3))
+    mask = torch.ones(shape, dtype=torch.int64)
+    mask[:, :, -2:] = 0
+    names = ["input_ids", "attention_mask", "decoder_input_ids", "labels"]
+    torch.onnx.export(model, (ids[0], mask[0], decoder_ids[0], labels[0]), str(OUT / "torch_t5.onnx"), dynamo=False, opset_version=17,
+                      input_names=names, output_names=["loss"], dynamic_axes={name: {0: "batch"} for name in names})
+    sgd = torch.optim.SGD(model.parameters(), lr=T5_LR)
+    losses = []
+    for step in range(T5_STEPS):
+        sgd.zero_grad()
+        loss = model(ids[step], mask[step], decoder_ids[step], labels[step])
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    np.savez(OUT / "torch_t5.npz", input_ids=ids.numpy(), attention_mask=mask.numpy(), decoder_input_ids=decoder_ids.numpy(), labels=labels.numpy())
+    info = {"optimizer": "sgd", "lr": T5_LR, "batch": T5_BATCH, "steps": T5_STEPS, "losses": losses, "torch": torch.__version__}
+    (OUT / "torch_t5.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def main() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -133,6 +185,7 @@ def main() -> None:
     program = torch.onnx.export(cnn, (x,), dynamo=True, opset_version=20, external_data=True)
     program.save(str(OUT / "torch_cnn_dynamo.onnx"), external_data=True)
     export_gpt2()
+    export_t5()
     for path in sorted(OUT.glob("torch_*")):
         print(path.name, path.stat().st_size)
 
