@@ -23,13 +23,12 @@ from onnxpipe.nodes import trained_initializers
 from onnxpipe.opset import training_opset
 from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, gradient_model, state_inputs
 from onnxpipe.protostream import is_streamable, raw_nbytes, skeleton
-from onnxpipe.rewrites import rewrite_for_training
+from onnxpipe.rewrites import FLOAT_TYPES, rewrite_for_training
 
 __all__ = ["MissingGradient", "missing_gradients", "ensure_gradients", "describe_missing"]
 
 #: Initializers above this many bytes reach the probes without their values (as graph inputs).
 _SMALL = 4096
-_FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
 #: The gradient builder's verdict per (domain, op type, opset, differentiated input slots): a cache,
 #: since every stage of every model asks again and one probe costs milliseconds.
 _VERDICTS: dict[tuple[str, str, int, tuple[int, ...]], bool] = {}
@@ -61,7 +60,7 @@ def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
 
 
 def _is_float(t: onnx.TypeProto | None) -> bool:
-    return t is not None and t.HasField("tensor_type") and t.tensor_type.elem_type in _FLOATS
+    return t is not None and t.HasField("tensor_type") and t.tensor_type.elem_type in FLOAT_TYPES
 
 
 def missing_gradients(model: onnx.ModelProto, trained: Iterable[str] | None = None) -> tuple[MissingGradient, ...]:

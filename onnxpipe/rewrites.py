@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["Rewrite", "rewrite_for_training"]
+__all__ = ["FLOAT_TYPES", "Rewrite", "rewrite_for_training"]
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,8 @@ def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
 #: Op -> the input slots onnxruntime-training 1.19.2 differentiates without summing back a broadcast (asked of its
 #: gradient builder: Add, Sub, Mul, Div, Min and Max sum back; Where's two values and Pow's base do not).
 _UNREDUCED = {"Where": (1, 2), "Pow": (0,)}
-_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
+#: Element types a gradient flows through.
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16})
 
 
 def _shape(types: Mapping[str, onnx.TypeProto], tensor: str) -> tuple | None:
@@ -206,7 +207,7 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
         for slot in slots:
             name = node.input[slot] if slot < len(node.input) else ""
             found = types.get(name)
-            if not name or found is None or found.tensor_type.elem_type not in _FLOATS:
+            if not name or found is None or found.tensor_type.elem_type not in FLOAT_TYPES:
                 continue
             out = _shape(types, node.output[0])
             if out is not None and _shape(types, name) == out:
