@@ -941,7 +941,11 @@ def inspect_command(
         shared = Table("weight", "kind", "decision", "readers (node: module)", title="weights read by several nodes")
         for s in graph.shared:
             readers = ", ".join(f"{node}: {module or '?'}" for node, module in s.readers[:6]) + (" ..." if len(s.readers) > 6 else "")
-            shared.add_row(escape(s.name), s.kind, "untied (a copy per module)" if s.untied else "shared", escape(readers))
+            if s.kind == "copy":
+                decision = f"trained apart from {s.of}" if s.untied else f"tied back: the transpose of {s.of}"
+            else:
+                decision = "untied (a copy per module)" if s.untied else "shared"
+            shared.add_row(escape(s.name), s.kind, escape(decision), escape(readers))
         console.print(shared)
     ops = Counter(graph.node(n).op_type for n in graph.compute_nodes)
     console.print("op types: " + ", ".join(f"{op} x{count}" for op, count in ops.most_common()))

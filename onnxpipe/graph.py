@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie_in_place
+from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, tie_copies_in_place, untie_in_place
 from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures, trained_initializers
 from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
 from onnxpipe.protostream import read_user_model, skeleton, weights_dir
@@ -192,15 +192,16 @@ class Graph:
 
 def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | None = None, ties: TieChoice | None = None, *,
          shapes_by_running: bool = False) -> Graph:
-    """Load a model (its weights' bytes stay on disk), untie exporter-merged weights (`onnxpipe.initializers`;
-    `ties` overrides), bind its symbolic dims, infer every shape without running it, fold its shape
+    """Load a model (its weights' bytes stay on disk), untie exporter-merged weights and tie exporter-copied ones
+    back (`onnxpipe.initializers`; `ties` overrides), bind its symbolic dims, infer every shape without running it, fold its shape
     arithmetic and drop Identity copies (`cleanup`), and build the node DAG. `shapes_by_running`: shapes
     static inference cannot find are read off one run of the model on zeros (opt-in: it needs the model's
     full memory and time)."""
     model, origin = _read_model(source)
     model = _normalize(model)
     shared = shared_initializers(model, ties or TieChoice(), None if origin == "<memory>" else weights_dir(origin))
-    untie_in_place(model, (s.name for s in shared if s.untied))
+    untie_in_place(model, (s.name for s in shared if s.untied and s.kind != "copy"))
+    tie_copies_in_place(model, {s.name: s.of for s in shared if s.kind == "copy" and not s.untied and s.of})
     dims = dict(dims or {})
     _bind_dims(model, dims, origin)
     inferred = _infer_shapes(model, origin)

@@ -3,6 +3,8 @@ constant-valued tensors across modules is untied into one copy per module, and t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -10,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import load
-from onnxpipe.initializers import TieChoice, module_of, shared_initializers, untie
+from onnxpipe.initializers import TieChoice, describe, module_of, shared_initializers, untie
 
 
 def _scoped(node: onnx.NodeProto, module: str) -> onnx.NodeProto:
@@ -110,3 +112,64 @@ def test_untie_without_modules_numbers_the_copies() -> None:
     assert shared["block0.ln.weight"].untied
     out = untie(model, ["block0.ln.weight"])
     assert [t.name for t in out.graph.initializer][-1] == "block0.ln.weight.1"
+
+
+def _copied(external: Path | None = None) -> onnx.ModelProto:
+    """The TorchScript exporter's form of a tied head: `embed.weight` [16, 4] gathered, and its transpose written as a
+    weight of its own, `onnx::MatMul_7` [4, 16], read by the head; beside them a square weight and its transpose,
+    which are never taken for a copy. With `external`, the weights are written to disk there (only references kept)."""
+    rng = np.random.default_rng(1)
+    wte, square = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(4, 4)).astype(np.float32)
+    inits = [numpy_helper.from_array(wte, "embed.weight"), numpy_helper.from_array(square, "mix.weight"),
+             numpy_helper.from_array(np.ascontiguousarray(square.T), "onnx::MatMul_5"), numpy_helper.from_array(np.ascontiguousarray(wte.T), "onnx::MatMul_7")]
+    nodes = [helper.make_node("Gather", ["embed.weight", "ids"], ["h0"], name="/embed/Gather"),
+             helper.make_node("MatMul", ["h0", "mix.weight"], ["h1"], name="/mix/MatMul"),
+             helper.make_node("MatMul", ["h1", "onnx::MatMul_5"], ["h2"], name="/unmix/MatMul"),
+             helper.make_node("MatMul", ["h2", "onnx::MatMul_7"], ["logits"], name="/head/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 3, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    if external is not None:
+        onnx.save(model, str(external), save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+        return onnx.load(str(external), load_external_data=False)
+    return model
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_a_transposed_copy_is_tied_back_and_computes_the_same(on_disk: bool, tmp_path: Path) -> None:
+    model = _copied(tmp_path / "m.onnx" if on_disk else None)
+    shared = shared_initializers(model, base_dir=tmp_path if on_disk else None)
+    assert [(s.name, s.kind, s.of, s.untied) for s in shared] == [("onnx::MatMul_7", "copy", "embed.weight", False)]
+    assert "tied back 1 transposed copy (onnx::MatMul_7 = embed.weight transposed)" in describe(shared)
+    graph = load(tmp_path / "m.onnx" if on_disk else model)
+    assert "onnx::MatMul_7" not in {t.name for t in graph.model.graph.initializer}
+    made = [n for n in graph.model.graph.node if "onnx::MatMul_7" in n.output]
+    assert [(n.op_type, list(n.input)) for n in made] == [("Transpose", ["embed.weight"])]
+    ids = np.array([[0, 5, 15], [3, 3, 9]], np.int64)
+    reference = _copied()
+    assert np.array_equal(_run(graph.model if not on_disk else _with_weights(graph.model, tmp_path), ids), _run(reference, ids))
+
+
+def _with_weights(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
+    from onnxpipe.protostream import load_weights
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    load_weights(out, base)
+    return out
+
+
+def test_untie_keeps_a_copy_apart() -> None:
+    shared = shared_initializers(_copied(), TieChoice.of(untie=["onnx::MatMul_7"]))
+    assert [(s.name, s.untied) for s in shared] == [("onnx::MatMul_7", True)]
+    assert "kept apart 1 transposed copy" in describe(shared)
+    assert "onnx::MatMul_7" in {t.name for t in load(_copied(), ties=TieChoice.of(untie=["onnx::MatMul_7"])).model.graph.initializer}
+
+
+def test_fills_are_never_copies() -> None:
+    """Zeros equal any zeros' transpose (a model written sparse, weights not yet drawn): no evidence of a tie."""
+    model = _copied()
+    for tensor in model.graph.initializer:
+        if tensor.name in ("embed.weight", "onnx::MatMul_7"):
+            tensor.CopyFrom(numpy_helper.from_array(np.zeros(tuple(tensor.dims), np.float32), tensor.name))
+    assert [s for s in shared_initializers(model) if s.kind == "copy"] == []

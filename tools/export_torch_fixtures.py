@@ -12,7 +12,8 @@ weights after training) and `torch_gpt2.json` the losses PyTorch's own SGD reach
 The T5 fixture (transformers' T5ForConditionalGeneration, 2 + 2 layers, vocab 64, d 32, freshly initialised) is
 exported by the TorchScript exporter, as many users still export T5, with its loss as the output, and
 `torch_t5.npz` / `torch_t5.json` likewise: its attention adds the relative position bias [1, heads, q, k] under a
-broadcast Where, which onnxruntime-training cannot differentiate as exported (`onnxpipe.rewrites`).
+broadcast Where, which onnxruntime-training cannot differentiate as exported (`onnxpipe.rewrites`), and the exporter
+writes its head, tied to the embedding, as a transposed copy of its own (`onnxpipe.initializers` ties it back).
 The Conv1D biases are drawn at random instead of torch's zeros: the default optimisation deletes an
 all-zero Gemm bias (onnxscript's RemoveOptionalBiasFromGemm), and a weight missing from the file
 cannot be trained like PyTorch trains it.
@@ -134,9 +135,6 @@ class T5WithLoss(nn.Module):
         config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                           relative_attention_num_buckets=8, dropout_rate=0.0, use_cache=False)
         self.t5 = T5ForConditionalGeneration(config)
-        # Untied: the TorchScript exporter writes a head tied to the embedding as a transposed copy of its own, which
-        # training then moves apart from the embedding where torch keeps them one.
-        self.t5.lm_head.weight = nn.Parameter(self.t5.shared.weight.detach().clone())
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.t5(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=False)[0]
