@@ -158,12 +158,13 @@ def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice(),
 
 
 def _copies(model: onnx.ModelProto, base_dir: str | os.PathLike | None) -> dict[str, str]:
-    """copy -> original for every weight equal to another's transpose (not square; read by some node). Of the two,
+    """copy -> original for every weight equal to another's transpose (not square, not a row or a column; read by some
+    node). Of the two,
     the copy is the one the exporter named (`onnx::...`) where only one is, else the later; a weight is one copy's
     original at most, and no original is a copy."""
     reads = _readers(model.graph)
     weights = [t for t in model.graph.initializer
-               if len(t.dims) == 2 and t.dims[0] != t.dims[1] and t.name in reads and is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims))]
+               if len(t.dims) == 2 and t.dims[0] != t.dims[1] and min(t.dims) > 1 and t.name in reads and is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims))]
     by_shape: dict[tuple[int, int, int], list[onnx.TensorProto]] = {}
     for t in weights:
         by_shape.setdefault((t.data_type, *t.dims), []).append(t)

@@ -173,3 +173,13 @@ def test_fills_are_never_copies() -> None:
         if tensor.name in ("embed.weight", "onnx::MatMul_7"):
             tensor.CopyFrom(numpy_helper.from_array(np.zeros(tuple(tensor.dims), np.float32), tensor.name))
     assert [s for s in shared_initializers(model) if s.kind == "copy"] == []
+
+
+def test_a_row_and_its_column_are_not_compared() -> None:
+    """A [1, n] weight and an [n, 1] one (a bias and a projection) pair up by shape; neither is taken for a copy."""
+    row = np.arange(1, 17, dtype=np.float32).reshape(1, 16)
+    inits = [numpy_helper.from_array(row, "bias"), numpy_helper.from_array(np.ascontiguousarray(row.T), "onnx::MatMul_3")]
+    nodes = [helper.make_node("Add", ["x", "bias"], ["h"], name="/a/Add"), helper.make_node("MatMul", ["h", "onnx::MatMul_3"], ["y"], name="/b/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1])], inits)
+    assert shared_initializers(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)) == ()
