@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxpipe.nodes import is_weight
+
 __all__ = ["FLOAT_TYPES", "Rewrite", "rewrite_for_training"]
 
 
@@ -200,6 +202,9 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
     if not any(n.op_type in _UNREDUCED and n.domain in ("", "ai.onnx") for n in graph.node):
         return []
     types = _types(model)
+    # Constants take no gradient (a masked fill's -inf, a scalar): expanding them would only cost memory.
+    constants = {t.name for t in graph.initializer if not is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims))}
+    constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
     done: list[Rewrite] = []
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -207,7 +212,7 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
         for slot in slots:
             name = node.input[slot] if slot < len(node.input) else ""
             found = types.get(name)
-            if not name or found is None or found.tensor_type.elem_type not in FLOAT_TYPES:
+            if not name or name in constants or found is None or found.tensor_type.elem_type not in FLOAT_TYPES:
                 continue
             out = _shape(types, node.output[0])
             if out is not None and _shape(types, name) == out:
