@@ -1,9 +1,11 @@
 """Weights read by several nodes, decided on purpose: a real tie stays one tensor, an exporter's merge is untied.
 
 Exporters merge initializers whose values are identical (torch.onnx's default optimisation turns
-every all-ones LayerNorm weight of a fresh model into one tensor). Trained as one parameter, such a
-merge silently makes a different model: after the first step the user's separate weights would
-have moved apart. A tensor read in one module is a reuse, and a non-constant tensor read across
+every all-ones LayerNorm weight of a fresh model into one tensor; the TorchScript exporter reads each
+duplicate through an Identity of the one it keeps, so the deep-copied layers of a fresh
+nn.TransformerEncoder become one set of weights). Trained as one parameter, such a merge silently makes
+a different model: after the first step the user's separate weights would have moved apart. A tie
+torch made (one Parameter in two modules) is read directly by both, never through an Identity. A tensor read in one module is a reuse, and a non-constant tensor read across
 modules is a tie the user made (embedding and output projection); both stay shared.
 
 The TorchScript exporter writes a tie the other way round: the output projection reads a transposed copy
@@ -34,7 +36,8 @@ from onnxpipe.protostream import all_equal
 
 __all__ = ["SharedInitializer", "TieChoice", "KINDS", "shared_initializers", "untie", "untie_in_place", "tie_copies_in_place", "module_of", "describe"]
 
-#: "merge": constant-valued and read across modules (an exporter merged equal tensors; untied by default);
+#: "merge": constant-valued and read across modules, or read through an Identity (an exporter merged equal tensors;
+#: untied by default);
 #: "tie": read across modules with distinct values (a tie the model made); "reuse": read within one module;
 #: "copy": another weight's transpose (an exporter's copy of a tie; tied back to it by default).
 KINDS = ("merge", "tie", "reuse", "copy")
@@ -137,7 +140,7 @@ def shared_initializers(model: onnx.ModelProto, choice: TieChoice = TieChoice(),
         modules = {m for _, m in readers}
         if len(modules) == 1 and None not in modules:
             kind = "reuse"
-        elif _constant_valued(tensor, base_dir):
+        elif _constant_valued(tensor, base_dir) or any(graph.node[i].op_type == "Identity" for i in nodes):
             kind = "merge"
         else:
             kind = "tie"

@@ -9,6 +9,7 @@ are exported twice by the dynamo exporter, with its default optimisation (which 
 identical LayerNorm ones and zeros into one initializer each) and with `optimize=False` (which keeps
 SplitToSequence/SequenceAt). Beside them, `torch_gpt2.npz` holds three training batches (and the LayerNorm
 weights after training) and `torch_gpt2.json` the losses PyTorch's own SGD reaches on them: pipelined training must reproduce them.
+`torch_gpt_legacy.npz` / `.json` hold three batches and PyTorch's SGD losses for the TorchScript TinyGPT.
 The T5 fixture (transformers' T5ForConditionalGeneration, 2 + 2 layers, vocab 64, d 32, freshly initialised) is
 exported by the TorchScript exporter, as many users still export T5, with its loss as the output, and
 `torch_t5.npz` / `torch_t5.json` likewise: its attention adds the relative position bias [1, heads, q, k] under a
@@ -124,6 +125,30 @@ def export_gpt2() -> None:
     (OUT / "torch_gpt2.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+def legacy_reference(model: nn.Module, steps: int = 3, lr: float = 0.1) -> None:
+    """Three batches for the TorchScript TinyGPT and the losses PyTorch's SGD reaches on them (`torch_gpt_legacy.npz`,
+    `.json`). Its two layers are deep copies, equal when fresh, which the exporter stores once (read through Identity
+    nodes), and its head, tied to the embedding, is written as a transposed copy."""
+    import copy
+    import json
+
+    import numpy as np
+
+    model = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 64, (steps, 4, 16)), torch.randint(0, 64, (steps, 4, 16))
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        sgd.zero_grad()
+        loss = model(ids[step], labels[step])
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    np.savez(OUT / "torch_gpt_legacy.npz", ids=ids.numpy(), labels=labels.numpy())
+    info = {"optimizer": "sgd", "lr": lr, "batch": 4, "steps": steps, "losses": losses, "torch": torch.__version__}
+    (OUT / "torch_gpt_legacy.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 T5_STEPS, T5_BATCH, T5_SEQ, T5_LR = 3, 4, 8, 0.1
 
 
@@ -176,6 +201,7 @@ def main() -> None:
     ids = torch.randint(0, 64, (4, 16))
     torch.onnx.export(gpt, (ids, ids), OUT / "torch_gpt_legacy.onnx", input_names=["ids", "labels"], output_names=["loss"],
                       opset_version=17, dynamo=False)
+    legacy_reference(gpt)
     cnn = SmallCNN().eval()
     x = torch.randn(2, 3, 16, 16)
     torch.onnx.export(cnn, (x,), OUT / "torch_cnn_dynamic.onnx", input_names=["x"], output_names=["logits"],
