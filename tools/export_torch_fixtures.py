@@ -71,6 +71,19 @@ class SmallCNN(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+def _sgd_losses(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], lr: float) -> list[float]:
+    """PyTorch's own SGD, one step per batch (`model(*batch)` is the loss): the losses pipelined training must reproduce."""
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        sgd.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    return losses
+
+
 GPT2_STEPS, GPT2_BATCH, GPT2_SEQ, GPT2_LR = 3, 8, 16, 0.1
 
 
@@ -109,14 +122,7 @@ def export_gpt2() -> None:
                                     dynamic_shapes={"input_ids": {0: batch}, "labels": {0: batch}})
         program.save(str(OUT / name))
     names = [n for n, _ in model.named_parameters()]
-    sgd = torch.optim.SGD(model.parameters(), lr=GPT2_LR)
-    losses = []
-    for step in range(GPT2_STEPS):
-        sgd.zero_grad()
-        loss = model(ids[step], labels[step])
-        loss.backward()
-        sgd.step()
-        losses.append(float(loss))
+    losses = _sgd_losses(model, [(ids[step], labels[step]) for step in range(GPT2_STEPS)], GPT2_LR)
     # The LayerNorm weights after training: the ones an exporter's merge would have kept equal.
     norms = {f"final/{n}": p.detach().numpy() for n, p in model.named_parameters() if ".ln_" in n}
     np.savez(OUT / "torch_gpt2.npz", input_ids=ids.numpy(), labels=labels.numpy(), **norms)
@@ -136,14 +142,7 @@ def legacy_reference(model: nn.Module, steps: int = 3, lr: float = 0.1) -> None:
 
     model = copy.deepcopy(model)
     ids, labels = torch.randint(0, 64, (steps, 4, 16)), torch.randint(0, 64, (steps, 4, 16))
-    sgd = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        sgd.zero_grad()
-        loss = model(ids[step], labels[step])
-        loss.backward()
-        sgd.step()
-        losses.append(loss.item())
+    losses = _sgd_losses(model, [(ids[step], labels[step]) for step in range(steps)], lr)
     np.savez(OUT / "torch_gpt_legacy.npz", ids=ids.numpy(), labels=labels.numpy())
     info = {"optimizer": "sgd", "lr": lr, "batch": 4, "steps": steps, "losses": losses, "torch": torch.__version__}
     (OUT / "torch_gpt_legacy.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -181,14 +180,7 @@ def export_t5() -> None:
     names = ["input_ids", "attention_mask", "decoder_input_ids", "labels"]
     torch.onnx.export(model, (ids[0], mask[0], decoder_ids[0], labels[0]), str(OUT / "torch_t5.onnx"), dynamo=False, opset_version=17,
                       input_names=names, output_names=["loss"], dynamic_axes={name: {0: "batch"} for name in names})
-    sgd = torch.optim.SGD(model.parameters(), lr=T5_LR)
-    losses = []
-    for step in range(T5_STEPS):
-        sgd.zero_grad()
-        loss = model(ids[step], mask[step], decoder_ids[step], labels[step])
-        loss.backward()
-        sgd.step()
-        losses.append(loss.item())
+    losses = _sgd_losses(model, [(ids[step], mask[step], decoder_ids[step], labels[step]) for step in range(T5_STEPS)], T5_LR)
     np.savez(OUT / "torch_t5.npz", input_ids=ids.numpy(), attention_mask=mask.numpy(), decoder_input_ids=decoder_ids.numpy(), labels=labels.numpy())
     info = {"optimizer": "sgd", "lr": T5_LR, "batch": T5_BATCH, "steps": T5_STEPS, "losses": losses, "torch": torch.__version__}
     (OUT / "torch_t5.json").write_text(json.dumps(info, indent=1) + "\n")
