@@ -36,12 +36,12 @@ from onnxpipe.cost_trace import is_run, kernels, run_starts
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
-    CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, complete_optional_outputs, gradient_model, pretraining_rewrite,
+    CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, gradient_model, pretraining_rewrite,
     quiet_stderr,
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
-from onnxpipe.rewrites import rewrite_for_training
+from onnxpipe.rewrites import for_gradient_builder
 from onnxpipe.units import format_bytes
 
 __all__ = [
@@ -355,14 +355,12 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
     wanted = {p for p in graph.trained if p in used}
     if not floats or not wanted or model.ByteSize() >= _TWO_GB:
         return None
-    # A copy, with the exporter patterns training rewrites rewritten (train/graphs.py): without them T5's backward does not run.
-    lossy, _ = rewrite_for_training(model)
+    lossy = for_gradient_builder(model)  # a copy, prepared as training prepares it
     first = graph.tensors[floats[0]]
     if first.shape in ((), (1,)) and first.dtype == "float32" and floats[0] == graph.outputs[0]:
         loss = floats[0]
     else:
         loss = _append_sum_loss(lossy.graph, floats)
-    complete_optional_outputs(lossy.graph)  # the gradient builder needs them (LayerNormalization's Mean, say), as in training
     try:
         if any(n.op_type in REWRITTEN_OPS for n in lossy.graph.node):
             lossy = onnx.load_from_string(pretraining_rewrite(lossy.SerializeToString(), wanted))

@@ -21,9 +21,9 @@ from onnx import TensorProto, helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.nodes import trained_initializers
 from onnxpipe.opset import training_opset
-from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, gradient_model, state_inputs
+from onnxpipe.ortutil import REWRITTEN_OPS, gradient_model, state_inputs
 from onnxpipe.protostream import is_streamable, raw_nbytes, skeleton
-from onnxpipe.rewrites import FLOAT_TYPES, rewrite_for_training
+from onnxpipe.rewrites import FLOAT_TYPES, for_gradient_builder
 
 __all__ = ["MissingGradient", "missing_gradients", "ensure_gradients", "describe_missing"]
 
@@ -65,11 +65,10 @@ def _is_float(t: onnx.TypeProto | None) -> bool:
 
 def missing_gradients(model: onnx.ModelProto, trained: Iterable[str] | None = None) -> tuple[MissingGradient, ...]:
     """Every op type on a gradient path that onnxruntime-training 1.19.2 cannot differentiate, after
-    `rewrite_for_training`. `trained`: the tensors gradients are wanted for (default: the weights
+    `rewrites.for_gradient_builder`. `trained`: the tensors gradients are wanted for (default: the weights
     training updates, `nodes.trained_initializers`)."""
-    model, _ = rewrite_for_training(training_opset(_light(model)))
+    model = for_gradient_builder(training_opset(_light(model)))
     graph = model.graph
-    complete_optional_outputs(graph)  # as training does: LayerNormalization's gradient reads its Mean/InvStdDev
     types = _types(model)
     if trained is None:
         trained = trained_initializers(graph)

@@ -13,7 +13,7 @@ on a copy of a stage model before its gradient graph is built; stage files keep 
   position bias [1, heads, q, k], ...), fails to build; a weight read so would get a gradient of the
   wrong shape). Expand's gradient sums back.
 
-Reading order: `Rewrite` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`.
+Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.nodes import is_weight
+from onnxpipe.ortutil import complete_optional_outputs
 
-__all__ = ["FLOAT_TYPES", "Rewrite", "rewrite_for_training"]
+__all__ = ["FLOAT_TYPES", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,16 @@ class Rewrite:
     pattern: str
     #: The node that anchored the pattern (the SplitToSequence).
     node: str
+
+
+def for_gradient_builder(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` as onnxruntime-training's gradient builder needs it: the one preparation the trainer, the
+    gradient check and the profiler share (the profiler once lacked a step and timed no dynamo export's backward).
+    Exporter patterns rewritten (`rewrite_for_training`) and optional outputs spelled out (LayerNormalization's
+    gradient reads its Mean and InvStdDev: `ortutil.complete_optional_outputs`)."""
+    out, _ = rewrite_for_training(model)
+    complete_optional_outputs(out.graph)
+    return out
 
 
 def rewrite_for_training(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[Rewrite, ...]]:

@@ -1,8 +1,8 @@
 """Stage training graphs: one stage model becomes a forward and a backward onnxruntime model.
 
 Reading order: `StageGraphs` -> `build_stage_graphs` (public entry) -> preparation passes
-(`ortutil.complete_optional_outputs`, `_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
--> `rewrite_for_training` + `ensure_gradients` (onnxpipe.rewrites, onnxpipe.gradients) -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
+(`_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
+-> `for_gradient_builder` + `ensure_gradients` (onnxpipe.rewrites, onnxpipe.gradients) -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
 
 The trick: the stage's loss is its real loss (when it holds the model's loss) plus, for every
 output a later stage reads, the surrogate sum(output * output_grad), where output_grad is a new
@@ -24,8 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.gradients import ensure_gradients
 from onnxpipe.nodes import trained_initializers
-from onnxpipe.ortutil import REWRITTEN_OPS, complete_optional_outputs, cpu_session, gradient_model, ort_reason, pretraining_rewrite
-from onnxpipe.rewrites import rewrite_for_training
+from onnxpipe.ortutil import REWRITTEN_OPS, cpu_session, gradient_model, ort_reason, pretraining_rewrite
+from onnxpipe.rewrites import for_gradient_builder
 from onnxpipe.opset import training_opset
 
 __all__ = [
@@ -105,7 +105,6 @@ def build_stage_graphs(
     outputs = tuple(o.name for o in work.graph.output if o.name != loss)
     initial = {p: numpy_helper.to_array(inits[p]).copy() for p in params}
 
-    complete_optional_outputs(work.graph)
     _separate_repeated_inputs(work.graph, set(params) | set(grad_inputs))
     _lift_parameters(work.graph, params)
     forward_outputs = outputs + ((loss,) if loss else ())
@@ -116,7 +115,7 @@ def build_stage_graphs(
 
     if not (params or grad_inputs) or not (grad_outputs or loss):
         return forward_only()
-    work, _ = rewrite_for_training(work)  # exporter patterns onnxruntime cannot differentiate; forward values unchanged
+    work = for_gradient_builder(work)  # exporter patterns onnxruntime cannot differentiate rewritten (forward values unchanged)
     ensure_gradients(work, set(params) | set(grad_inputs), origin)
     if any(n.op_type in REWRITTEN_OPS for n in work.graph.node):
         work = _pretraining_rewrite(work, set(params) | set(grad_inputs), origin)
