@@ -172,6 +172,45 @@ def test_appended_losses_match_unpartitioned() -> None:
         np.testing.assert_allclose([pipe.train_step(b) for b in data], [ref.train_step(b) for b in data], rtol=RTOL)
 
 
+def _float16_mlp() -> onnx.ModelProto:
+    """Three float16 MatMul + Add layers: every stage boundary carries float16, the output is float16."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    nodes, inits, x = [], [], "x"
+    for i, (a, b) in enumerate([(8, 16), (16, 16), (16, 4)]):
+        inits += [numpy_helper.from_array((rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float16), f"w{i}"),
+                  numpy_helper.from_array(np.zeros(b, np.float16), f"b{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"h{i}"], name=f"add{i}")]
+        if i < 2:
+            nodes.append(helper.make_node("Relu", [f"h{i}"], [f"r{i}"], name=f"relu{i}"))
+        x = f"r{i}" if i < 2 else f"h{i}"
+    graph = helper.make_graph(nodes, "fp16", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [8, 8])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT16, [8, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+
+
+def test_float16_model_trains_with_a_float32_loss() -> None:
+    # the appended loss reads a float16 output and the stages hand float16 gradients back: the loss and each
+    # stage's sum of terms are float32 (before, the loss's Sub mixed float16 and float32 labels and was
+    # reported as an op without a gradient)
+    graph = load(_float16_mlp())
+    config = TrainConfig(microbatches=2, optimizer=OptimizerConfig("sgd", lr=0.1), loss=LossSpec("mse", "h2"))
+    ref = LocalPipeline([prepare_single(graph.model, config)])
+    for k in (2, 3):
+        manifest = split(graph, even_plan(graph, k), _TMP / f"fp16-{k}", force=True)
+        pipe = LocalPipeline(prepare_stages(_TMP / f"fp16-{k}", manifest, config))
+        source = SyntheticData(model_inputs(manifest, config), 2, {}, seed=5)
+        data = [split_microbatches(source.batch(0), model_inputs(manifest, config), 2)] * 4  # one batch, learnt
+        losses = [pipe.train_step(b) for b in data]
+        if k == 2:
+            ref_losses = [ref.train_step(b) for b in data]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)  # float16 weights: sums in another order round apart
+        assert losses[-1] < losses[0] * 0.9
+        assert {v.dtype for v in pipe.parameters().values()} == {np.dtype(np.float16)}
+
+
 def test_missing_loss_names_the_way_out() -> None:
     directory, manifest = stage_dir("mlp", 2, train=False)
     with pytest.raises(OnnxpipeError, match="--loss cross_entropy"):

@@ -175,10 +175,11 @@ def _lift_parameters(graph: onnx.GraphProto, params: Sequence[str]) -> None:
 
 
 def _add_total_loss(model: onnx.ModelProto, loss: str | None, grad_outputs: Sequence[str]) -> None:
-    """TOTAL_LOSS = loss + sum_j ReduceSum(output_j * output_grad_j)."""
+    """TOTAL_LOSS = loss + sum_j ReduceSum(output_j * output_grad_j), in float32: a float16 or double term is cast
+    (its gradient, 1, is exact in any float type), since the terms of a mixed-precision stage differ in type."""
     graph = model.graph
     types = {v.name: v.type.tensor_type for v in list(graph.output) + list(graph.value_info) + list(graph.input)}
-    terms = [loss] if loss else []
+    typed = [(loss, types[loss].elem_type)] if loss else []
     for out in grad_outputs:
         g = grad_input_name(out)
         tt = types[out]
@@ -186,7 +187,13 @@ def _add_total_loss(model: onnx.ModelProto, loss: str | None, grad_outputs: Sequ
         graph.input.append(helper.make_tensor_value_info(g, tt.elem_type, shape))
         graph.node.append(helper.make_node("Mul", [out, g], [f"{g}/prod"], name=f"{g}/prod"))
         graph.node.append(helper.make_node("ReduceSum", [f"{g}/prod"], [f"{g}/sum"], name=f"{g}/sum", keepdims=0))
-        terms.append(f"{g}/sum")
+        typed.append((f"{g}/sum", tt.elem_type))
+    terms = []
+    for term, elem in typed:
+        if elem != TensorProto.FLOAT:
+            graph.node.append(helper.make_node("Cast", [term], [f"{term}/float"], name=f"{term}/float", to=TensorProto.FLOAT))
+            term = f"{term}/float"
+        terms.append(term)
     acc = terms[0]
     for k, term in enumerate(terms[1:]):
         acc_next = TOTAL_LOSS if k == len(terms) - 2 else f"{TOTAL_LOSS}/{k}"
@@ -194,8 +201,7 @@ def _add_total_loss(model: onnx.ModelProto, loss: str | None, grad_outputs: Sequ
         acc = acc_next
     if acc != TOTAL_LOSS:
         graph.node.append(helper.make_node("Identity", [acc], [TOTAL_LOSS], name=TOTAL_LOSS))
-    elem = types[loss].elem_type if loss else types[grad_outputs[0]].elem_type
-    graph.output.append(helper.make_tensor_value_info(TOTAL_LOSS, elem, []))
+    graph.output.append(helper.make_tensor_value_info(TOTAL_LOSS, TensorProto.FLOAT, []))
 
 
 def _pretraining_rewrite(model: onnx.ModelProto, trained: set[str], origin: str) -> onnx.ModelProto:

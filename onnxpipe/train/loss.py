@@ -1,4 +1,7 @@
-"""Appending a loss to a model output, for models exported without one (`--loss cross_entropy|mse --labels NAME`)."""
+"""Appending a loss to a model output, for models exported without one (`--loss cross_entropy|mse --labels NAME`).
+
+The loss is computed in float32 whatever the output's float type (float16, bfloat16, double outputs are cast
+first), as mixed-precision training does: the loss output and mse's labels are float32 alike."""
 
 from __future__ import annotations
 
@@ -74,19 +77,23 @@ def append_loss(model: onnx.ModelProto, spec: LossSpec) -> onnx.ModelProto:
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     g.input.append(helper.make_tensor_value_info(spec.labels, elem, list(lshape)))
     p = "onnxpipe/loss_"
+    source = spec.output
+    if outputs[spec.output].type.tensor_type.elem_type != TensorProto.FLOAT:
+        g.node.append(helper.make_node("Cast", [spec.output], [f"{p}float"], name=f"{p}float", to=TensorProto.FLOAT))
+        source = f"{p}float"
     if spec.kind == "cross_entropy":
         # SoftmaxCrossEntropyLoss reads [N, C, d1, ...] scores and [N, d1, ...] labels: scores whose class axis
         # is elsewhere move it to 1 first (the labels' order already matches)
         axis = _class_axis(spec, len(shape))
-        scores = spec.output
+        scores = source
         if axis != 1:
             perm = [0, axis, *(i for i in range(1, len(shape)) if i != axis)]
-            g.node.append(helper.make_node("Transpose", [spec.output], [f"{p}scores"], name=f"{p}scores", perm=perm))
+            g.node.append(helper.make_node("Transpose", [source], [f"{p}scores"], name=f"{p}scores", perm=perm))
             scores = f"{p}scores"
         g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [scores, spec.labels], [spec.name, f"{p}log_prob"], name=f"{p}sce", reduction="mean"))
     else:
         g.node.extend([
-            helper.make_node("Sub", [spec.output, spec.labels], [f"{p}diff"], name=f"{p}diff"),
+            helper.make_node("Sub", [source, spec.labels], [f"{p}diff"], name=f"{p}diff"),
             helper.make_node("Mul", [f"{p}diff", f"{p}diff"], [f"{p}sq"], name=f"{p}sq"),
             helper.make_node("ReduceMean", [f"{p}sq"], [spec.name], name=f"{p}mean", keepdims=0),
         ])
