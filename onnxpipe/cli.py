@@ -935,8 +935,8 @@ def inspect_command(
     held = {w for mine in weight_owners(graph).values() for w in mine if w in graph.tensors}
     trained = graph.trained
     console.print(f"weights: {plural(len(held), 'tensor')}, {format_bytes(sum(graph.tensors[w].nbytes for w in held))} "
-                  f"({len(trained)} trained, {format_bytes(sum(graph.tensors[w].nbytes for w in trained))}; int8 weights, constant fills and "
-                  "normalization statistics are only held)", highlight=False)
+                  f"({len(trained)} trained, {format_bytes(sum(graph.tensors[w].nbytes for w in trained))}; int8 weights, constant fills, "
+                  "normalization statistics and the exporter's constants and buffers are only held)", highlight=False)
     if graph.shared:
         shared = Table("weight", "kind", "decision", "readers (node: module)", title="weights read by several nodes")
         for s in graph.shared:

@@ -41,7 +41,7 @@ from onnxpipe.ortutil import (
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
-from onnxpipe.rewrites import for_gradient_builder
+from onnxpipe.rewrites import REWRITE_MARK, for_gradient_builder
 from onnxpipe.units import format_bytes
 
 __all__ = [
@@ -389,14 +389,18 @@ def _append_sum_loss(g: onnx.GraphProto, outputs: list[str]) -> str:
 
 
 def own_names(times: Mapping[str, float], forward: Mapping[str, float]) -> dict[str, float]:
-    """Times under the model's node names: a rewritten node (`<name>_training`, with gradient nodes
-    `<name>_training_Grad/...`, and likewise for the other `REWRITTEN_SUFFIXES`) back under `<name>`."""
+    """Times under the model's node names: a node onnxruntime rewrote (`<name>_training`, with gradient nodes
+    `<name>_training_Grad/...`, and likewise for the other `REWRITTEN_SUFFIXES`) back under `<name>`, and so are the
+    nodes `onnxpipe.rewrites` wrote in its place (`<name>/onnxpipe_<rewrite>/...`, a GRU's unrolled steps say)."""
     out: dict[str, float] = {}
     for node, seconds in times.items():
         head, mark, rest = node.partition(_GRAD_MARK)
         for suffix in REWRITTEN_SUFFIXES:
             if head.endswith(suffix) and head.removesuffix(suffix) in forward:
                 node = head.removesuffix(suffix) + mark + rest
+        base = head.split(REWRITE_MARK)[0]
+        if base != head and base in forward:
+            node = base + mark + rest
         out[node] = out.get(node, 0.0) + seconds
     return out
 

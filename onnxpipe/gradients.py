@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.nodes import trained_initializers
 from onnxpipe.opset import training_opset
-from onnxpipe.ortutil import REWRITTEN_OPS, gradient_model, state_inputs
+from onnxpipe.ortutil import REWRITTEN_OPS, cpu_session, gradient_model, state_inputs
 from onnxpipe.protostream import is_streamable, raw_nbytes, skeleton
 from onnxpipe.rewrites import FLOAT_TYPES, for_gradient_builder
 
@@ -122,18 +122,26 @@ def ensure_gradients(model: onnx.ModelProto, trained: Iterable[str] | None, orig
     if missing:
         raise OnnxpipeError(
             f"{origin}: onnxruntime-training 1.19.2 has no gradient for {describe_missing(missing)}; "
-            "re-export the model without these ops (e.g. Einsum as MatMul, GroupNorm via Reshape+LayerNorm, GRU as LSTM) or train it elsewhere"
+            "re-export the model without these ops (e.g. Einsum as MatMul) or train it elsewhere"
         )
 
 
 def _probe(model: onnx.ModelProto, wanted: set[str]) -> bool:
-    """Whether onnxruntime-training builds the gradient of the tiny model's loss for every wanted input."""
+    """Whether onnxruntime-training builds the gradient of the tiny model's loss for every wanted input, and the
+    CPU runs it: ConvTranspose's gradient builds, but its ConvTransposeGrad kernel exists for CUDA only, which
+    a worker found only when it loaded its stage."""
     try:
         grad = gradient_model(model.SerializeToString(), "onnxpipe/probe_loss", wanted)
     except Exception:  # onnxruntime's "no gradient for op" / "unreachable from the output" and kin
         return False
     produced = {o for n in grad.graph.node for o in n.output}
-    return all(f"{w}_grad" in produced for w in wanted)
+    if not all(f"{w}_grad" in produced for w in wanted):
+        return False
+    try:
+        cpu_session(grad.SerializeToString(), optimize=False)
+    except Exception:  # NOT_IMPLEMENTED: no CPU kernel for a gradient op
+        return False
+    return True
 
 
 def _tiny_model(model: onnx.ModelProto, node: onnx.NodeProto, slots: tuple[int, ...], types: dict[str, onnx.TypeProto]) -> onnx.ModelProto | None:

@@ -20,10 +20,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxpipe.buffers import hold_exporter_constants
 from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, tie_copies_in_place, untie_in_place
-from onnxpipe.nodes import RANDOM_OPS, is_weight, subgraph_captures, trained_initializers
+from onnxpipe.nodes import RANDOM_OPS, hold, is_weight, subgraph_captures, trained_initializers
 from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
 from onnxpipe.protostream import read_user_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
@@ -199,6 +200,7 @@ def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | 
     full memory and time)."""
     model, origin = _read_model(source)
     model = _normalize(model)
+    hold_exporter_constants(model)
     shared = shared_initializers(model, ties or TieChoice(), None if origin == "<memory>" else weights_dir(origin))
     untie_in_place(model, (s.name for s in shared if s.untied and s.kind != "copy"))
     tie_copies_in_place(model, {s.name: s.of for s in shared if s.kind == "copy" and not s.untied and s.of})
@@ -225,7 +227,8 @@ def _read_model(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
 
 
 def _normalize(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every node a unique name, turn weight-holding Constant nodes into initializers, drop
+    """Give every node a unique name, turn weight-holding Constant nodes into initializers (held: an exporter
+    writes constants so, never parameters; `nodes.hold`), drop
     initializers from the graph inputs (IR-3 style) and raise the IR version to at least 4."""
     graph = model.graph
     used: set[str] = set()
@@ -241,6 +244,8 @@ def _normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in graph.node:
         tensor = _constant_value(node)
         if tensor is not None:
+            if is_weight(helper.tensor_dtype_to_np_dtype(tensor.data_type), tuple(tensor.dims)):
+                hold(tensor, "a Constant node")
             graph.initializer.append(tensor)
         else:
             kept.append(node)

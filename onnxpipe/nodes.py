@@ -3,6 +3,7 @@ all need: what a node reads from its enclosing scope, which tensors are weights,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from onnx import helper
 
 from onnxpipe.ortutil import state_inputs
 
-__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "trained_initializers", "RANDOM_OPS", "QUANTIZATION_OPS"]
+__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "trained_initializers", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -49,12 +50,56 @@ def is_weight(dtype: str | np.dtype, shape: tuple[int, ...]) -> bool:
     return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1
 
 
+#: Inputs the ONNX spec calls non-differentiable that onnxruntime-training differentiates all the same (asked of
+#: its gradient builder): LSTM's initial hidden and cell states.
+_DIFFERENTIATED_ANYWAY = {("", "LSTM"): (5, 6)}
+
+
+@functools.cache
+def _non_differentiable(domain: str, op_type: str, slot: int) -> bool:
+    """Whether the ONNX spec marks the input slot non-differentiable (Resize's scales, Clip's bounds, Pad's fill)."""
+    if slot in _DIFFERENTIATED_ANYWAY.get((domain, op_type), ()):
+        return False
+    try:
+        schema = onnx.defs.get_schema(op_type, domain)
+    except onnx.defs.SchemaError:  # contrib and custom ops: assume a gradient flows
+        return False
+    inputs = schema.inputs
+    formal = inputs[min(slot, len(inputs) - 1)] if inputs else None
+    return formal is not None and formal.differentiation_category == onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable
+
+
+#: The metadata key loading sets on an initializer the model never trained (`hold`): an exporter's constant or buffer.
+HELD = "onnxpipe.held"
+
+
+def hold(tensor: onnx.TensorProto, why: str) -> None:
+    """Mark the tensor as held, never trained, in the tensor itself: the mark travels into stage files."""
+    if not is_held(tensor):
+        tensor.metadata_props.add(key=HELD, value=why)
+
+
+def is_held(tensor: onnx.TensorProto) -> bool:
+    return any(p.key == HELD for p in tensor.metadata_props)
+
+
 def trained_initializers(graph: onnx.GraphProto) -> frozenset[str]:
     """The initializers training updates: the one rule the trainer (`train.graphs`) and the pricing
     (`Graph.trained`: gradients, optimizer state, all-reduce) both apply. Floating-point weights of more than
-    one element (`is_weight`), except tensors a node reads as state (BatchNorm's running statistics). Weights
+    one element (`is_weight`), except tensors a node reads as state (BatchNorm's running statistics) and tensors
+    every reader reads where no gradient flows (a Resize's scales, which the dynamo exporter may store once with
+    a GroupNorm's scale of the same values: untied, the Resize's copy has no gradient to train), and tensors
+    loading marked held (`hold`: the exporter's constants and buffers, which torch never trains). Weights
     of other dtypes (int8 behind a DequantizeLinear) and tensors made by constant subgraphs (a ConstantOfShape
     fill) are held, never trained."""
     state = state_inputs(graph)
+    differentiable: set[str] = set()
+    read: set[str] = set()
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            read.add(name)
+            if not _non_differentiable(node.domain if node.domain != "ai.onnx" else "", node.op_type, slot):
+                differentiable.add(name)
     return frozenset(t.name for t in graph.initializer
-                     if t.name not in state and is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims)))
+                     if t.name not in state and not is_held(t) and (t.name in differentiable or t.name not in read)
+                     and is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims)))

@@ -1,7 +1,8 @@
 """Exporter patterns onnxruntime-training cannot differentiate, rewritten to equivalents it can.
 
-Each rewrite keeps every forward value bit-identical (it only moves the same elements) and runs
-on a copy of a stage model before its gradient graph is built; stage files keep the user's ops.
+Each rewrite runs on a copy of a stage model before its gradient graph is built; stage files keep the
+user's ops. The first three keep every forward value bit-identical (they only move the same elements); the
+normalizations compute the same formula with other kernels (equal within float rounding).
 
 - SplitToSequence + SequenceAt at constant positions (torch.onnx's dynamo exporter without
   optimisation writes `tensor.split(...)` so) -> Split (+ Identity, or Squeeze for keepdims=0).
@@ -12,13 +13,29 @@ on a copy of a stage model before its gradient graph is built; stage files keep 
   the broadcast axes, so the gradient comes out in the output's shape (T5's attention, Where(mask,
   position bias [1, heads, q, k], ...), fails to build; a weight read so would get a gradient of the
   wrong shape). Expand's gradient sums back.
+- InstanceNormalization (torch's GroupNorm and InstanceNorm export as it, by either exporter) -> ReduceMean, Sub,
+  Mul, Add, Sqrt, Div and the per-channel scale and bias: onnxruntime-training 1.19.2 has no gradient for it.
+- Resize (nearest, linear, cubic; the last two axes) -> MatMul by constant interpolation matrices, and ConvTranspose
+  (one or two spatial axes) -> MatMul by constant matrices that space and pad the input, then Conv with the weight
+  transposed and flipped: onnxruntime-training 1.19.2 builds gradients for both but has CPU kernels for neither
+  (ResizeGrad and ConvTransposeGrad exist for CUDA only), so a UNet's upsampling could not train. A Resize is linear
+  in its input and acts on each axis alone, so its matrix per axis is onnxruntime's own Resize of an identity
+  matrix, with the node's attributes: every mode and rounding rule as onnxruntime computes it. Static shapes only
+  (stage files have them).
+- GRU and RNN (static sequence length) -> their steps unrolled (`onnxpipe.recurrent`): onnxruntime-training 1.19.2
+  has no gradient for either.
+- LayerNormalization of float16 or bfloat16 at opset >= 18 -> Cast to float32, LayerNormalization, Cast back:
+  onnxruntime's CPU gradient kernel is float32-only, and the function body it falls back to for other types reads
+  ReduceMean's axes as an attribute, which opset 18 removed, so the session fails to load. The output differs from
+  the float16 kernel's by float16 rounding (a unit in the last place).
 
-Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`.
+Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`
+-> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_recurrent` -> `_float32_layer_norm`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +43,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.nodes import is_weight
-from onnxpipe.ortutil import complete_optional_outputs
+from onnxpipe.ortutil import complete_optional_outputs, cpu_session
+from onnxpipe.recurrent import UNROLLED_OPS, unrolled
 
-__all__ = ["FLOAT_TYPES", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
+__all__ = ["FLOAT_TYPES", "REWRITE_MARK", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
+
+#: What the nodes a rewrite writes in place of a node are named under: `<node>/onnxpipe_<rewrite>/...`, which the
+#: profiler maps back to `<node>` (`cost_profile.own_names`).
+REWRITE_MARK = "/onnxpipe_"
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,8 @@ def rewrite_for_training(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple
     out = onnx.ModelProto()
     out.CopyFrom(model)
     done = _split_to_sequence(out) + _cast_like(out) + _expand_broadcast(out)
+    for ops, rewrite in _PER_NODE:
+        done += _each_node(out, ops, rewrite)
     return out, tuple(done)
 
 
@@ -143,19 +167,20 @@ def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
     graph = model.graph
     opset = _opset(model)
     consts = _constants(graph)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
+    nodes = list(graph.node)
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
         for name in node.input:
-            readers.setdefault(name, []).append(node)
+            readers.setdefault(name, []).append(i)
     outputs = {o.name for o in graph.output}
     done: list[Rewrite] = []
     replaced: dict[int, list[onnx.NodeProto]] = {}
-    for node in graph.node:
+    for at, node in enumerate(nodes):
         if node.op_type != "SplitToSequence" or node.domain not in ("", "ai.onnx") or node.output[0] in outputs:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         axis, keepdims = int(attrs.get("axis", 0)), int(attrs.get("keepdims", 1))
-        uses = readers.get(node.output[0], [])
+        uses = [nodes[i] for i in readers.get(node.output[0], [])]
         if not uses or any(u.op_type != "SequenceAt" or u.input[1] not in consts for u in uses):
             continue
         sizes = _sizes(model, node, consts, axis)
@@ -173,7 +198,7 @@ def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
             new.append(helper.make_node("Split", [node.input[0]], parts, name=f"{base}/split", axis=axis, split=sizes))
         if squeeze and opset >= 13:
             graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), f"{base}/axes"))
-        for use in uses:
+        for i, use in zip(readers.get(node.output[0], []), uses):
             pos = int(consts[use.input[1]])
             part = parts[pos + len(parts) if pos < 0 else pos]
             if not squeeze:
@@ -182,13 +207,11 @@ def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
                 new.append(helper.make_node("Squeeze", [part, f"{base}/axes"], [use.output[0]], name=use.name or f"{use.output[0]}/at"))
             else:
                 new.append(helper.make_node("Squeeze", [part], [use.output[0]], name=use.name or f"{use.output[0]}/at", axes=[axis]))
-            replaced[id(use)] = []
-        replaced[id(node)] = new
+            replaced[i] = []
+        replaced[at] = new
         done.append(Rewrite("SplitToSequence+SequenceAt -> Split", node.name))
     if done:
-        nodes = [n for old in graph.node for n in replaced.get(id(old), [old])]
-        del graph.node[:]
-        graph.node.extend(nodes)
+        _replace(graph, nodes, replaced)
     return done
 
 
@@ -228,7 +251,7 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
             out = _shape(types, node.output[0])
             if out is not None and _shape(types, name) == out:
                 continue  # not broadcast
-            base = f"{node.name or node.output[0]}/onnxpipe_expand{slot}"
+            base = f"{node.name or node.output[0]}{REWRITE_MARK}expand{slot}"
             if out is not None and all(isinstance(d, int) for d in out):
                 graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), f"{base}/shape"))
                 nodes.append(helper.make_node("Expand", [name, f"{base}/shape"], [base], name=base))
@@ -243,3 +266,228 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
         del graph.node[:]
         graph.node.extend(nodes)
     return done
+
+
+def _replace(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], replaced: Mapping[int, list[onnx.NodeProto]]) -> None:
+    """The graph's nodes become `nodes` with the node at each key's position replaced by its list. Positions, not
+    ids: protobuf makes a new wrapper per access, so an id can come back for another node."""
+    new = [n for i, old in enumerate(nodes) for n in replaced.get(i, [old])]
+    del graph.node[:]
+    graph.node.extend(new)
+
+
+#: A rewrite of one node: (node, the model's types, its opset, the graph its constants go into) -> (pattern, the
+#: nodes computing the node's outputs), or None where the node is left as it is.
+NodeRewrite = Callable[[onnx.NodeProto, Mapping[str, onnx.TypeProto], int, onnx.GraphProto], "tuple[str, list[onnx.NodeProto]] | None"]
+
+
+def _each_node(model: onnx.ModelProto, ops: frozenset[str], rewrite: NodeRewrite) -> list[Rewrite]:
+    """`rewrite` applied to every node of the default domain whose op is in `ops`, in place."""
+    graph = model.graph
+    if not any(n.op_type in ops and n.domain in ("", "ai.onnx") for n in graph.node):
+        return []
+    types, opset = _types(model), _opset(model)
+    done: list[Rewrite] = []
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    nodes = list(graph.node)
+    for at, node in enumerate(nodes):
+        if node.op_type in ops and node.domain in ("", "ai.onnx"):
+            made = rewrite(node, types, opset, graph)
+            if made is not None:
+                pattern, replaced[at] = made
+                done.append(Rewrite(pattern, node.name))
+    if done:
+        _replace(graph, nodes, replaced)
+    return done
+
+
+def _float_input(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto]) -> np.dtype | None:
+    """The numpy dtype of the node's first input where it is a float type gradients flow through."""
+    found = types.get(node.input[0])
+    if found is None or found.tensor_type.elem_type not in FLOAT_TYPES:
+        return None
+    return helper.tensor_dtype_to_np_dtype(found.tensor_type.elem_type)
+
+
+def _static_shape(types: Mapping[str, onnx.TypeProto], tensor: str) -> tuple[int, ...] | None:
+    dims = _shape(types, tensor)
+    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _base(node: onnx.NodeProto, rewrite: str) -> str:
+    return f"{node.name or node.output[0]}{REWRITE_MARK}{rewrite}"
+
+
+def _reduce_mean(opset: int, graph: onnx.GraphProto, x: str, axes: list[int], out: str) -> onnx.NodeProto:
+    """ReduceMean over `axes`, keeping them: axes as an input from opset 18, as an attribute before."""
+    if opset < 18:
+        return helper.make_node("ReduceMean", [x], [out], name=out, axes=axes, keepdims=1)
+    graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), f"{out}/axes"))
+    return helper.make_node("ReduceMean", [x, f"{out}/axes"], [out], name=out, keepdims=1)
+
+
+def _instance_norm(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    dtype, shape = _float_input(node, types), _shape(types, node.input[0])
+    if dtype is None or shape is None:
+        return None
+    rank = len(shape)
+    eps = _attributes(node).get("epsilon", 1e-5)
+    x, scale, bias = node.input[:3]
+    b = _base(node, "norm")
+    graph.initializer.extend([numpy_helper.from_array(np.array(eps, dtype), f"{b}/eps"),
+                              numpy_helper.from_array(np.array([-1] + [1] * (rank - 2), np.int64), f"{b}/channels")])
+    axes = list(range(2, rank))
+    return "InstanceNormalization -> ReduceMean, Sub, Mul, Sqrt, Div", [
+        _reduce_mean(opset, graph, x, axes, f"{b}/mean"),
+        helper.make_node("Sub", [x, f"{b}/mean"], [f"{b}/centred"], name=f"{b}/centred"),
+        helper.make_node("Mul", [f"{b}/centred", f"{b}/centred"], [f"{b}/square"], name=f"{b}/square"),
+        _reduce_mean(opset, graph, f"{b}/square", axes, f"{b}/var"),
+        helper.make_node("Add", [f"{b}/var", f"{b}/eps"], [f"{b}/var_eps"], name=f"{b}/var_eps"),
+        helper.make_node("Sqrt", [f"{b}/var_eps"], [f"{b}/std"], name=f"{b}/std"),
+        helper.make_node("Div", [f"{b}/centred", f"{b}/std"], [f"{b}/normed"], name=f"{b}/normed"),
+        helper.make_node("Reshape", [scale, f"{b}/channels"], [f"{b}/scale"], name=f"{b}/scale"),
+        helper.make_node("Reshape", [bias, f"{b}/channels"], [f"{b}/bias"], name=f"{b}/bias"),
+        helper.make_node("Mul", [f"{b}/normed", f"{b}/scale"], [f"{b}/scaled"], name=f"{b}/scaled"),
+        helper.make_node("Add", [f"{b}/scaled", f"{b}/bias"], [node.output[0]], name=node.name or f"{b}/out"),
+    ]
+
+
+def _axis_matmuls(graph: onnx.GraphProto, x: str, matrices: Mapping[int, np.ndarray], rank: int, base: str, out: str, dtype: np.dtype) -> list[onnx.NodeProto]:
+    """x times `matrices[axis]` ([new length, old length]) along the last axis and the one before it: the last axis
+    as x @ M.T, the one before as M @ x (MatMul broadcasts M over the leading axes)."""
+    nodes, current = [], x
+    steps = sorted(matrices.items(), reverse=True)
+    for k, (axis, m) in enumerate(steps):
+        name = out if k == len(steps) - 1 else f"{base}/along{axis}"
+        if axis == rank - 1:
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(m.T).astype(dtype), f"{base}/matrix{axis}"))
+            nodes.append(helper.make_node("MatMul", [current, f"{base}/matrix{axis}"], [name], name=name))
+        else:
+            graph.initializer.append(numpy_helper.from_array(m.astype(dtype), f"{base}/matrix{axis}"))
+            nodes.append(helper.make_node("MatMul", [f"{base}/matrix{axis}", current], [name], name=name))
+        current = name
+    return nodes
+
+
+def _resize_matrix(node: onnx.NodeProto, opset: int, length: int, scale: float | None, new: int) -> np.ndarray | None:
+    """The [new, length] matrix one axis of the Resize applies: onnxruntime's Resize of the identity (axis 0 holds
+    the basis vectors at scale 1, axis 1 is resized), transposed."""
+    attrs = [a for a in node.attribute if a.name not in ("axes", "keep_aspect_ratio_policy")]
+    scales = np.array([1.0, scale], np.float32) if scale is not None else np.zeros(0, np.float32)
+    inits = [numpy_helper.from_array(scales, "scales")]
+    if scale is None:
+        inits.append(numpy_helper.from_array(np.array([length, new], np.int64), "sizes"))
+    resize = helper.make_node("Resize", ["x", "", "scales" if scale is not None else "", "sizes" if scale is None else ""], ["y"])
+    resize.attribute.extend(attrs)
+    graph = helper.make_graph([resize], "basis", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [length, length])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    try:
+        y = cpu_session(model.SerializeToString(), optimize=False).run(["y"], {"x": np.eye(length, dtype=np.float32)})[0]
+    except Exception:  # an attribute this shape of input cannot take: the node is left alone
+        return None
+    return y.T if y.shape == (length, new) else None
+
+
+def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    attrs = _attributes(node)
+    dtype = _float_input(node, types)
+    x_shape, y_shape = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
+    if (dtype is None or x_shape is None or y_shape is None or opset < 11
+            or attrs.get("coordinate_transformation_mode") == b"tf_crop_and_resize" or "axes" in attrs):
+        return None
+    scales_name = node.input[2] if len(node.input) > 2 else ""
+    scales = _constants(graph).get(scales_name) if scales_name else None
+    if scales_name and (scales is None or scales.size not in (0, len(x_shape))):
+        return None
+    if scales is not None and not scales.size:
+        scales = None
+    rank = len(x_shape)
+    changed = [a for a in range(rank) if x_shape[a] != y_shape[a] or (scales is not None and scales[a] != 1)]
+    if any(a < rank - 2 for a in changed):
+        return None
+    if not changed:  # every scale 1: each mode reads each element where it is
+        return "Resize at scale 1 -> Identity", [helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name or _base(node, "identity"))]
+    matrices = {a: _resize_matrix(node, opset, x_shape[a], None if scales is None else float(scales[a]), y_shape[a]) for a in changed}
+    if any(m is None for m in matrices.values()):
+        return None
+    return "Resize -> MatMul by interpolation matrices", _axis_matmuls(graph, node.input[0], matrices, rank, _base(node, "resize"), node.output[0], dtype)  # type: ignore[arg-type]
+
+
+def _spacing(length: int, stride: int, dilation: int, kernel: int, pad_begin: int, pad_end: int, extra: int) -> np.ndarray:
+    """[padded, length]: puts input element j at `before + j * stride` of a zero line that a stride-1 Conv of the
+    flipped kernel turns into ConvTranspose's output (a negative `before` or `after` crops: those positions feed
+    no output)."""
+    before, after = dilation * (kernel - 1) - pad_begin, dilation * (kernel - 1) - pad_end + extra
+    padded = (length - 1) * stride + 1 + before + after
+    spread = np.zeros((padded, length), np.float32)
+    for j in range(length):
+        if 0 <= before + j * stride < padded:
+            spread[before + j * stride, j] = 1
+    return spread
+
+
+def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    attrs = _attributes(node)
+    dtype = _float_input(node, types)
+    x_shape, w_shape = _static_shape(types, node.input[0]), _static_shape(types, node.input[1])
+    if (dtype is None or x_shape is None or w_shape is None or len(x_shape) not in (3, 4) or "output_shape" in attrs
+            or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID")):
+        return None
+    spatial = len(x_shape) - 2
+    kernel = list(w_shape[2:])
+    strides, dilations = list(attrs.get("strides", [1] * spatial)), list(attrs.get("dilations", [1] * spatial))  # type: ignore[call-overload]
+    pads, extra = list(attrs.get("pads", [0] * 2 * spatial)), list(attrs.get("output_padding", [0] * spatial))  # type: ignore[call-overload]
+    group = int(attrs.get("group", 1))  # type: ignore[call-overload]
+    matrices = {2 + i: _spacing(x_shape[2 + i], strides[i], dilations[i], kernel[i], pads[i], pads[spatial + i], extra[i]) for i in range(spatial)}
+    base = _base(node, "convt")
+    cin, cout_g = w_shape[0], w_shape[1]
+    graph.initializer.extend([
+        numpy_helper.from_array(np.array([group, cin // group, cout_g, *kernel], np.int64), f"{base}/grouped"),
+        numpy_helper.from_array(np.array([cout_g * group, cin // group, *kernel], np.int64), f"{base}/conv_shape"),
+        *(numpy_helper.from_array(np.arange(k - 1, -1, -1, dtype=np.int64), f"{base}/reversed{i}") for i, k in enumerate(kernel)),
+    ])
+    new = _axis_matmuls(graph, node.input[0], matrices, len(x_shape), base, f"{base}/spread", dtype)
+    new += [helper.make_node("Reshape", [node.input[1], f"{base}/grouped"], [f"{base}/w_grouped"], name=f"{base}/w_grouped"),
+            helper.make_node("Transpose", [f"{base}/w_grouped"], [f"{base}/w_swapped"], name=f"{base}/w_swapped", perm=[0, 2, 1, *range(3, 3 + spatial)]),
+            helper.make_node("Reshape", [f"{base}/w_swapped", f"{base}/conv_shape"], [f"{base}/w_flip0"], name=f"{base}/w_flip0")]
+    for i in range(spatial):  # flip each kernel axis (Gather has a CPU gradient)
+        new.append(helper.make_node("Gather", [f"{base}/w_flip{i}", f"{base}/reversed{i}"], [f"{base}/w_flip{i + 1}"], name=f"{base}/w_flip{i + 1}", axis=2 + i))
+    conv_inputs = [f"{base}/spread", f"{base}/w_flip{spatial}"] + ([node.input[2]] if len(node.input) > 2 and node.input[2] else [])
+    new.append(helper.make_node("Conv", conv_inputs, [node.output[0]], name=node.name or f"{base}/conv",
+                                kernel_shape=kernel, dilations=dilations, group=group, strides=[1] * spatial, pads=[0] * 2 * spatial))
+    return "ConvTranspose -> MatMul by spacing matrices, Conv", new
+
+
+def _recurrent(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    dtype = _float_input(node, types)
+    new = None if dtype is None else unrolled(node, graph, _static_shape(types, node.input[0]), dtype, opset, _base(node, "unrolled"))
+    return None if new is None else (f"{node.op_type} -> its steps unrolled", new)
+
+
+def _float32_layer_norm(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    found = types.get(node.input[0])
+    if opset < 18 or found is None or found.tensor_type.elem_type not in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+        return None
+    b = _base(node, "float")
+    casts = [helper.make_node("Cast", [name], [f"{b}/in{k}"], name=f"{b}/in{k}", to=onnx.TensorProto.FLOAT) for k, name in enumerate(node.input) if name]
+    norm = onnx.NodeProto()
+    norm.CopyFrom(node)
+    norm.input[:] = [f"{b}/in{k}" if name else "" for k, name in enumerate(node.input)]
+    norm.output[0] = f"{b}/out"
+    back = helper.make_node("Cast", [f"{b}/out"], [node.output[0]], name=f"{b}/back", to=found.tensor_type.elem_type)
+    return "float16 LayerNormalization -> Cast, LayerNormalization in float32, Cast", [*casts, norm, back]
+
+
+#: The per-node rewrites, in the order they run, with the ops each reads.
+_PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
+    (frozenset({"InstanceNormalization"}), _instance_norm),
+    (frozenset({"Resize"}), _resize),
+    (frozenset({"ConvTranspose"}), _conv_transpose),
+    (UNROLLED_OPS, _recurrent),
+    (frozenset({"LayerNormalization"}), _float32_layer_norm),
+)

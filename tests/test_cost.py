@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -410,6 +411,17 @@ def test_profile_times_the_backward_of_a_dynamo_export_as_training_builds_it() -
                               [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
     measured = profile_times(load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)), runs=2, warmup=1)
     assert all(measured.backward.get(n, 0.0) > 0 for n in ("matmul", "norm"))  # timed, not the FLOP-ratio fallback `annotate` fills in
+
+
+@pytest.mark.parametrize("fixture, op", [("torch_gru.onnx", "GRU"), ("torch_unet.onnx", "ConvTranspose"), ("torch_unet.onnx", "Resize"),
+                                         ("torch_unet.onnx", "InstanceNormalization")])
+def test_profile_times_the_backward_of_ops_onnxpipe_writes_out(fixture: str, op: str) -> None:
+    """GRU, ConvTranspose, Resize and InstanceNormalization train as the ops `onnxpipe.rewrites` writes in their place,
+    named `<node>/onnxpipe_<rewrite>/...`: their gradient nodes' times are summed under the node they replace."""
+    graph = load(Path(__file__).parent / "data" / fixture, {"batch": 4})
+    measured = profile_times(graph, runs=2, warmup=1)
+    nodes = [n for n in graph.compute_nodes if graph.node(n).op_type == op]
+    assert nodes and all(measured.backward.get(n, 0.0) > 0 for n in nodes)
 
 
 def test_every_weight_counts_at_its_real_bytes() -> None:

@@ -166,3 +166,275 @@ def test_inputs_of_the_output_shape_are_left_alone() -> None:
                    [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [2, 3])], inits)
     rewritten, done = rewrite_for_training(model)
     assert done == () and [n.op_type for n in rewritten.graph.node] == ["Greater", "Where", "Pow"]
+
+
+def _group_norm(x: np.ndarray, u: np.ndarray, gamma: np.ndarray, beta: np.ndarray, groups: int, eps: float) -> np.ndarray:
+    h = (u * x).reshape(x.shape[0], groups, -1)
+    h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + eps)
+    return h.reshape(x.shape) * gamma + beta
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+def test_group_norm_trains_through_instance_normalization(opset: int) -> None:
+    """torch's GroupNorm exports as Reshape + InstanceNormalization + Reshape + Mul + Add (either exporter), and
+    onnxruntime-training 1.19.2 has no InstanceNormalization gradient: written out in primitives, the weights
+    before and after it get numpy's gradients (central differences in float64)."""
+    n, c, groups, eps = 2, 6, 3, 1e-5
+    x = RNG.normal(size=(n, c, 4, 4)).astype(np.float32)
+    u = RNG.uniform(0.5, 1.5, size=(1, c, 4, 4)).astype(np.float32)
+    gamma, beta = RNG.normal(size=(c, 1, 1)).astype(np.float32), RNG.normal(size=(c, 1, 1)).astype(np.float32)
+    probe = RNG.normal(size=(n, c, 4, 4)).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["x", "u"], ["scaled"], name="scale"),
+             helper.make_node("Reshape", ["scaled", "grouped_shape"], ["grouped"], name="group"),
+             helper.make_node("InstanceNormalization", ["grouped", "ones", "zeros"], ["normed"], name="norm", epsilon=eps),
+             helper.make_node("Reshape", ["normed", "x_shape"], ["ungrouped"], name="ungroup"),
+             helper.make_node("Mul", ["ungrouped", "gamma"], ["g"], name="gamma_mul"),
+             helper.make_node("Add", ["g", "beta"], ["y"], name="beta_add"),
+             helper.make_node("Mul", ["y", "probe"], ["weighted"], name="weighted"),
+             helper.make_node("ReduceSum", ["weighted"], ["loss"], name="sum", keepdims=0)]
+    inits = [numpy_helper.from_array(a, name) for a, name in [
+        (u, "u"), (gamma, "gamma"), (beta, "beta"), (probe, "probe"), (np.ones(groups, np.float32), "ones"),
+        (np.zeros(groups, np.float32), "zeros"), (np.array([n, groups, -1], np.int64), "grouped_shape"), (np.array(x.shape, np.int64), "x_shape")]]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                    helper.make_tensor_value_info("y", TensorProto.FLOAT, list(x.shape))], inits, opset)
+    with pytest.raises(Exception, match="InstanceNormalization"):
+        gradient_model(model.SerializeToString(), "loss", {"u"})
+    assert missing_gradients(model) == ()
+    rewritten, done = rewrite_for_training(model)
+    assert [r.pattern for r in done] == ["InstanceNormalization -> ReduceMean, Sub, Mul, Sqrt, Div"]
+    feeds = {"x": x}
+    np.testing.assert_allclose(cpu_session(rewritten.SerializeToString()).run(["y"], feeds)[0],
+                               cpu_session(model.SerializeToString()).run(["y"], feeds)[0], rtol=1e-5, atol=1e-5)
+    grad = gradient_model(rewritten.SerializeToString(), "loss", {"u", "gamma", "beta"})
+    got = dict(zip(("u", "gamma", "beta"), cpu_session(grad.SerializeToString()).run(["u_grad", "gamma_grad", "beta_grad"], feeds)))
+    args = {"u": u, "gamma": gamma, "beta": beta}
+
+    def loss(**changed: np.ndarray) -> float:
+        a = {k: v.astype(np.float64) for k, v in {**args, **changed}.items()}
+        return float((_group_norm(x.astype(np.float64), a["u"], a["gamma"], a["beta"], groups, eps) * probe).sum())
+
+    for name, value in args.items():
+        numeric = np.zeros(value.shape)
+        for i in np.ndindex(value.shape):
+            up, down = value.astype(np.float64), value.astype(np.float64)
+            up[i] += 1e-6
+            down[i] -= 1e-6
+            numeric[i] = (loss(**{name: up}) - loss(**{name: down})) / 2e-6
+        np.testing.assert_allclose(got[name], numeric, rtol=1e-3, atol=1e-4, err_msg=name)
+
+
+def _layer_norm_model(dtype: int, opset: int) -> onnx.ModelProto:
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(a.astype(np_dtype), name) for a, name in [
+        (rng.normal(size=(8, 8)) / 3, "w"), (rng.uniform(0.5, 1.5, size=8), "scale"), (rng.normal(size=8), "bias"), (rng.normal(size=(4, 8)), "probe")]]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("LayerNormalization", ["h", "scale", "bias"], ["y"], name="ln"),
+             helper.make_node("Mul", ["y", "probe"], ["weighted"], name="weighted"),
+             helper.make_node("ReduceSum", ["weighted"], ["total"], name="sum", keepdims=0),
+             helper.make_node("Cast", ["total"], ["loss"], name="loss", to=TensorProto.FLOAT)]
+    return _model(nodes, [helper.make_tensor_value_info("x", dtype, [4, 8])],
+                  [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []), helper.make_tensor_value_info("y", dtype, [4, 8])], inits, opset)
+
+
+def test_float16_layer_norm_trains_at_opset_18_and_later() -> None:
+    """onnxruntime-training's LayerNormalization gradient kernel is float32-only; for float16 it falls back to a
+    function body whose ReduceMean reads axes as an attribute, which opset 18 removed: the session failed to load
+    (every dynamo export of a half-precision transformer). Normalized in float32 between two Casts, the forward
+    differs by float16 rounding (a unit in the last place) and the gradients are float32's within it."""
+    from onnxpipe.ortutil import complete_optional_outputs
+
+    half = _layer_norm_model(TensorProto.FLOAT16, 20)
+    plain = onnx.ModelProto()
+    plain.CopyFrom(half)
+    complete_optional_outputs(plain.graph)
+    with pytest.raises(Exception, match="axes"):
+        cpu_session(gradient_model(plain.SerializeToString(), "loss", {"w", "scale", "bias"}).SerializeToString())
+    rewritten, done = rewrite_for_training(half)
+    assert [r.pattern for r in done] == ["float16 LayerNormalization -> Cast, LayerNormalization in float32, Cast"]
+    assert rewrite_for_training(_layer_norm_model(TensorProto.FLOAT16, 17))[1] == ()  # the float16 kernel loads there
+    x = RNG.normal(size=(4, 8))
+    np.testing.assert_allclose(cpu_session(rewritten.SerializeToString()).run(["y"], {"x": x.astype(np.float16)})[0],
+                               cpu_session(half.SerializeToString()).run(["y"], {"x": x.astype(np.float16)})[0], rtol=2e-3, atol=1e-3)
+    complete_optional_outputs(rewritten.graph)
+    names = ["w_grad", "scale_grad", "bias_grad"]
+    got = cpu_session(gradient_model(rewritten.SerializeToString(), "loss", {"w", "scale", "bias"}).SerializeToString()).run(names, {"x": x.astype(np.float16)})
+    full = _layer_norm_model(TensorProto.FLOAT, 20)
+    complete_optional_outputs(full.graph)
+    want = cpu_session(gradient_model(full.SerializeToString(), "loss", {"w", "scale", "bias"}).SerializeToString()).run(names, {"x": x.astype(np.float32)})
+    for name, g, w in zip(names, got, want):
+        assert g.dtype == np.float16
+        np.testing.assert_allclose(g.astype(np.float32), w, rtol=2e-2, atol=2e-2, err_msg=name)
+
+
+def test_weights_read_only_where_no_gradient_flows_are_not_trained() -> None:
+    """The dynamo exporter stores equal constants once: a GroupNorm's scale of ones and a Resize's scales of ones
+    become one tensor, untied per module on loading. The Resize's copy has no gradient (the ONNX spec calls its
+    scales non-differentiable): trained, the gradient builder failed to find its gradient."""
+    from onnxpipe.nodes import trained_initializers
+    from onnxpipe.train.graphs import build_stage_graphs
+
+    nodes = [helper.make_node("Mul", ["x", "w"], ["a"], name="mul"),
+             helper.make_node("Resize", ["a", "", "scales"], ["b"], name="resize", mode="nearest"),
+             helper.make_node("ReduceSum", ["b"], ["loss"], name="sum", keepdims=0)]
+    inits = [numpy_helper.from_array(RNG.normal(size=(1, 2, 4, 4)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2, 4, 4])],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    assert trained_initializers(model.graph) == {"w"}
+    graphs = build_stage_graphs(model, params=["w", "scales"], grad_inputs=(), grad_outputs=(), loss="loss", recompute=False)
+    assert graphs.trained == ("w",)
+
+
+def _linear_op_model(node: onnx.NodeProto, x_shape: list[int], inits: list[onnx.TensorProto], y_shape: list[int], opset: int = 19) -> onnx.ModelProto:
+    """w (x's shape) * x -> `node` (reading `scaled`) -> y; loss = sum(y * probe): linear in w, so central
+    differences of one unit are exact up to rounding."""
+    probe = numpy_helper.from_array(RNG.normal(size=y_shape).astype(np.float32), "probe")
+    w = numpy_helper.from_array(RNG.normal(size=x_shape).astype(np.float32), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["scaled"], name="scale"), node,
+             helper.make_node("Mul", ["y", "probe"], ["weighted"], name="weighted"),
+             helper.make_node("ReduceSum", ["weighted"], ["loss"], name="sum", keepdims=0)]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                  [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []), helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
+                  [w, probe, *inits], opset)
+
+
+def _assert_rewritten_like_the_op(model: onnx.ModelProto, pattern: str, trained: tuple[str, ...], exact: bool) -> None:
+    """The rewrite replaced the op, computes its values, and trains: each trained tensor's gradient equals central
+    differences of the original model's loss (a few elements each)."""
+    rewritten, done = rewrite_for_training(model)
+    assert [r.pattern for r in done] == [pattern]
+    x = RNG.normal(size=[d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
+    want = cpu_session(model.SerializeToString()).run(["y"], {"x": x})[0]
+    got = cpu_session(rewritten.SerializeToString()).run(["y"], {"x": x})[0]
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    grads = cpu_session(gradient_model(rewritten.SerializeToString(), "loss", set(trained)).SerializeToString()).run(
+        [f"{t}_grad" for t in trained], {"x": x})
+    inits = {t.name: t for t in model.graph.initializer}
+    for name, grad in zip(trained, grads):
+        base = numpy_helper.to_array(inits[name])
+        for flat in RNG.choice(base.size, size=min(6, base.size), replace=False):
+            values = []
+            for step in (1.0, -1.0):
+                changed = base.copy()
+                changed.flat[flat] += step
+                probe = onnx.ModelProto()
+                probe.CopyFrom(model)
+                next(t for t in probe.graph.initializer if t.name == name).CopyFrom(numpy_helper.from_array(changed, name))
+                values.append(float(cpu_session(probe.SerializeToString()).run(["loss"], {"x": x})[0]))
+            assert grad.flat[flat] == pytest.approx((values[0] - values[1]) / 2, rel=1e-3, abs=1e-3), (name, flat)
+
+
+RESIZES = [  # (attributes, x shape, scales or None, sizes or None)
+    ({"mode": "nearest"}, [1, 2, 3, 4], [1, 1, 2, 2], None),
+    ({"mode": "linear"}, [1, 2, 3, 4], [1, 1, 2, 2], None),
+    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [2, 1, 4, 3], None, [2, 1, 7, 5]),
+    ({"mode": "cubic", "coordinate_transformation_mode": "asymmetric"}, [1, 2, 3, 5], [1, 1, 1, 1.5], None),
+    ({"mode": "nearest", "nearest_mode": "floor", "coordinate_transformation_mode": "asymmetric"}, [1, 1, 4, 6], [1, 1, 0.5, 1.5], None),
+]
+
+
+@pytest.mark.parametrize("attrs,x_shape,scales,sizes", RESIZES, ids=[f"{a['mode']}-{i}" for i, (a, *_rest) in enumerate(RESIZES)])
+def test_resize_trains_as_matmuls_by_its_own_interpolation(attrs: dict, x_shape: list[int], scales: list[float] | None, sizes: list[int] | None) -> None:
+    """onnxruntime-training builds ResizeGrad, but its kernel is CUDA's alone: a model that upsamples could not load
+    its gradient graph on the CPU. Resize is linear and acts on each axis alone: MatMuls by the matrices onnxruntime's
+    own Resize makes of the identity compute the same values and train."""
+    inits = [numpy_helper.from_array(np.array(scales, np.float32), "scales")] if scales else []
+    inits += [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")] if sizes else []
+    y_shape = sizes or [int(np.floor(d * s)) for d, s in zip(x_shape, scales or [])]
+    node = helper.make_node("Resize", ["scaled", "", "scales" if scales else "", "sizes" if sizes else ""], ["y"], name="resize", **attrs)
+    model = _linear_op_model(node, x_shape, inits, y_shape)
+    assert missing_gradients(model) == ()
+    _assert_rewritten_like_the_op(model, "Resize -> MatMul by interpolation matrices", ("w",), exact=attrs["mode"] == "nearest")
+
+
+CONV_TRANSPOSES = [  # (attributes, x shape, weight shape, bias)
+    ({"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1], "group": 2}, [2, 4, 3, 3], [4, 3, 3, 3], True),
+    ({}, [1, 2, 4, 4], [2, 3, 2, 2], False),
+    ({"strides": [3, 2], "dilations": [2, 1], "pads": [2, 0, 1, 3]}, [1, 2, 3, 4], [2, 2, 2, 3], True),
+    ({"strides": [2], "pads": [1, 0]}, [2, 3, 5], [3, 2, 4], True),
+]
+
+
+@pytest.mark.parametrize("attrs,x_shape,w_shape,bias", CONV_TRANSPOSES, ids=[str(i) for i in range(len(CONV_TRANSPOSES))])
+def test_conv_transpose_trains_as_a_conv_of_the_spaced_input(attrs: dict, x_shape: list[int], w_shape: list[int], bias: bool) -> None:
+    """ConvTransposeGrad has no CPU kernel in onnxruntime-training 1.19.2: written as MatMuls that space and pad the
+    input and a Conv with the weight transposed (per group) and flipped, it computes ConvTranspose's values and its
+    weight and bias get the gradients central differences give."""
+    spatial = len(x_shape) - 2
+    group = attrs.get("group", 1)
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    out = [(x_shape[2 + i] - 1) * attrs.get("strides", [1] * spatial)[i] + attrs.get("output_padding", [0] * spatial)[i]
+           + (w_shape[2 + i] - 1) * attrs.get("dilations", [1] * spatial)[i] + 1 - pads[i] - pads[spatial + i] for i in range(spatial)]
+    y_shape = [x_shape[0], w_shape[1] * group, *out]
+    inits = [numpy_helper.from_array(RNG.normal(size=w_shape).astype(np.float32), "kernel")]
+    inits += [numpy_helper.from_array(RNG.normal(size=w_shape[1] * group).astype(np.float32), "bias")] if bias else []
+    node = helper.make_node("ConvTranspose", ["scaled", "kernel"] + (["bias"] if bias else []), ["y"], name="up", **attrs)
+    model = _linear_op_model(node, x_shape, inits, y_shape)
+    with pytest.raises(Exception, match="ConvTransposeGrad"):
+        cpu_session(gradient_model(model.SerializeToString(), "loss", {"kernel"}).SerializeToString())
+    _assert_rewritten_like_the_op(model, "ConvTranspose -> MatMul by spacing matrices, Conv", ("w", "kernel") + (("bias",) if bias else ()), exact=False)
+
+
+RECURRENT = [  # (op, attributes, bias, initial state)
+    ("GRU", {"linear_before_reset": 0}, True, False),
+    ("GRU", {"linear_before_reset": 1, "direction": "reverse", "layout": 1}, False, True),
+    ("GRU", {"direction": "bidirectional"}, True, True),
+    ("RNN", {"direction": "bidirectional", "layout": 1}, True, False),
+    ("RNN", {}, False, True),
+]
+
+
+@pytest.mark.parametrize("op,attrs,bias,initial", RECURRENT, ids=[f"{op}-{i}" for i, (op, *_rest) in enumerate(RECURRENT)])
+def test_gru_and_rnn_unrolled_compute_the_op_and_train(op: str, attrs: dict, bias: bool, initial: bool) -> None:
+    """onnxruntime-training 1.19.2 has no GRU or RNN gradient: unrolled, they compute what onnxruntime's op computes
+    (the variants torch does not export included) and their weights get gradients."""
+    seq, batch, inputs, hidden = 5, 2, 3, 4
+    dirs, gates = (2 if attrs.get("direction") == "bidirectional" else 1), (3 if op == "GRU" else 1)
+    layout = attrs.get("layout", 0)
+    x_shape = [batch, seq, inputs] if layout else [seq, batch, inputs]
+    names = ["x", "w", "r", "b" if bias else "", "", "h0" if initial else ""]
+    inits = [numpy_helper.from_array(RNG.normal(size=(dirs, gates * hidden, inputs)).astype(np.float32), "w"),
+             numpy_helper.from_array(RNG.normal(size=(dirs, gates * hidden, hidden)).astype(np.float32) / 2, "r")]
+    inits += [numpy_helper.from_array(RNG.normal(size=(dirs, 2 * gates * hidden)).astype(np.float32), "b")] if bias else []
+    h0_shape = [batch, dirs, hidden] if layout else [dirs, batch, hidden]
+    inits += [numpy_helper.from_array(RNG.normal(size=h0_shape).astype(np.float32), "h0")] if initial else []
+    y_shape = [batch, seq, dirs, hidden] if layout else [seq, dirs, batch, hidden]
+    nodes = [helper.make_node(op, names, ["y", "y_h"], name="rnn", hidden_size=hidden, **attrs),
+             helper.make_node("ReduceSum", ["y"], ["s1"], name="s1", keepdims=0),
+             helper.make_node("ReduceSum", ["y_h"], ["s2"], name="s2", keepdims=0),
+             helper.make_node("Add", ["s1", "s2"], ["loss"], name="loss")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []), helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape),
+                    helper.make_tensor_value_info("y_h", TensorProto.FLOAT, h0_shape)], inits)
+    with pytest.raises(Exception, match=op):
+        gradient_model(model.SerializeToString(), "loss", {"w"})
+    rewritten, done = rewrite_for_training(model)
+    assert [r.pattern for r in done] == [f"{op} -> its steps unrolled"]
+    x = RNG.normal(size=x_shape).astype(np.float32)
+    got = cpu_session(rewritten.SerializeToString()).run(["y", "y_h"], {"x": x})
+    if layout:  # onnxruntime's kernels run layout 0 only: the reference is the op on the transposed tensors
+        reference = onnx.ModelProto()
+        reference.CopyFrom(model)
+        for a in reference.graph.node[0].attribute:
+            if a.name == "layout":
+                a.i = 0
+        for t in reference.graph.initializer:
+            if t.name == "h0":
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).transpose(1, 0, 2).copy(), "h0"))
+        del reference.graph.input[:], reference.graph.output[1:]
+        reference.graph.input.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, batch, inputs]))
+        reference.graph.output.extend([helper.make_tensor_value_info("y", TensorProto.FLOAT, None), helper.make_tensor_value_info("y_h", TensorProto.FLOAT, None)])
+        y, y_h = cpu_session(reference.SerializeToString()).run(["y", "y_h"], {"x": x.transpose(1, 0, 2).copy()})
+        want = [y.transpose(2, 0, 1, 3), y_h.transpose(1, 0, 2)]
+    else:
+        want = cpu_session(model.SerializeToString()).run(["y", "y_h"], {"x": x})
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    trained = {"w", "r"} | ({"b"} if bias else set()) | ({"h0"} if initial else set())
+    grads = cpu_session(gradient_model(rewritten.SerializeToString(), "loss", trained).SerializeToString()).run([f"{t}_grad" for t in sorted(trained)], {"x": x})
+    assert all(np.abs(g).sum() > 0 for g in grads)

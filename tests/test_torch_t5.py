@@ -6,22 +6,16 @@ transposed copy of its own, which loading ties back (`onnxpipe.initializers`).""
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from torch_reference import DATA, pipelined_losses, reference
 
 from onnxpipe.graph import load
-from onnxpipe.train.optimizer import OptimizerConfig
-from onnxpipe.train.pipeline import Pipeline
 
-DATA = Path(__file__).parent / "data"
-REFERENCE = json.loads((DATA / "torch_t5.json").read_text())
-BATCHES = np.load(DATA / "torch_t5.npz")
-INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")
+REFERENCE = reference("torch_t5")
 
 
 def test_the_fixture_has_the_broadcast_where() -> None:
@@ -30,21 +24,14 @@ def test_the_fixture_has_the_broadcast_where() -> None:
     assert any(n.op_type == "Where" and n.input[1] in unsqueezed for n in model.graph.node)
 
 
-def _train(stages: int, schedule: str, **options: object) -> np.ndarray:
-    with Pipeline(DATA / "torch_t5.onnx", "cpu4", stages=stages, batch=REFERENCE["batch"], microbatches=2, schedule=schedule,
-                  optimizer=OptimizerConfig("sgd", lr=REFERENCE["lr"]), processes=False, **options) as pipe:
-        assert pipe.stages == stages
-        return np.array([pipe.train_step({name: BATCHES[name][s] for name in INPUTS}) for s in range(REFERENCE["steps"])])
-
-
 @pytest.mark.parametrize("stages,schedule", [(2, "1f1b"), (2, "zb-h1")])
 def test_pipelined_training_reproduces_pytorch_sgd(stages: int, schedule: str) -> None:
-    np.testing.assert_allclose(_train(stages, schedule), REFERENCE["losses"], rtol=1e-6)
+    np.testing.assert_allclose(pipelined_losses("torch_t5", stages, schedule), REFERENCE["losses"], rtol=1e-6)
 
 
 def test_the_head_trained_apart_from_the_embedding_leaves_pytorch() -> None:
     """`--untie` the exporter's copy: head and embedding move apart, which torch's tied model never does."""
-    losses = _train(2, "1f1b", untie=("onnx::MatMul_1168",))
+    losses = pipelined_losses("torch_t5", 2, "1f1b", untie=("onnx::MatMul_1168",))
     assert losses[0] == pytest.approx(REFERENCE["losses"][0], rel=1e-6)  # the first step's loss comes before any update
     assert abs(losses[-1] / REFERENCE["losses"][-1] - 1) > 1e-5
 

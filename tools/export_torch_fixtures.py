@@ -15,6 +15,12 @@ exported by the TorchScript exporter, as many users still export T5, with its lo
 `torch_t5.npz` / `torch_t5.json` likewise: its attention adds the relative position bias [1, heads, q, k] under a
 broadcast Where, which onnxruntime-training cannot differentiate as exported (`onnxpipe.rewrites`), and the exporter
 writes its head, tied to the embedding, as a transposed copy of its own (`onnxpipe.initializers` ties it back).
+The UNet fixture (GroupNorm, bilinear and nearest upsampling, a grouped ConvTranspose with output padding, an MSE
+loss) is exported by the dynamo exporter, with `torch_unet.npz` / `torch_unet.json` likewise: onnxruntime-training has
+no gradient for InstanceNormalization (GroupNorm's export) and no CPU kernels for the gradients of Resize and
+ConvTranspose, which `onnxpipe.rewrites` writes out in ops that have them.
+The GRU fixture (an embedding, a two-layer bidirectional batch-first GRU, a linear head, an MSE loss; TorchScript
+exporter) likewise: onnxruntime-training has no GRU gradient, and `onnxpipe.recurrent` unrolls its steps.
 The Conv1D biases are drawn at random instead of torch's zeros: the default optimisation deletes an
 all-zero Gemm bias (onnxscript's RemoveOptionalBiasFromGemm), and a weight missing from the file
 cannot be trained like PyTorch trains it.
@@ -186,6 +192,81 @@ def export_t5() -> None:
     (OUT / "torch_t5.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+UNET_STEPS, UNET_BATCH, UNET_LR = 3, 4, 0.1
+
+
+class SmallUNet(nn.Module):
+    """Down by a strided Conv, up three ways (bilinear, nearest, a grouped ConvTranspose), GroupNorm between, MSE loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU())
+        self.down2 = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.GroupNorm(4, 16), nn.SiLU())
+        self.bilinear = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.nearest = nn.Upsample(scale_factor=2, mode="nearest")
+        self.transposed = nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.head = nn.Conv2d(16 + 16 + 8 + 8, 4, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        a = self.down1(x)
+        b = self.down2(a)
+        out = self.head(torch.cat([self.bilinear(b), self.nearest(b), self.transposed(b), a], 1))
+        return nn.functional.mse_loss(out, target)
+
+
+def export_unet() -> None:
+    """The UNet export (dynamo, a symbolic batch), its training batches, and PyTorch's SGD losses on them."""
+    import json
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = SmallUNet().eval()
+    x, target = torch.randn(UNET_STEPS, UNET_BATCH, 3, 16, 16), torch.randn(UNET_STEPS, UNET_BATCH, 4, 16, 16)
+    batch = torch.export.Dim("batch")
+    program = torch.onnx.export(model, (x[0], target[0]), dynamo=True, input_names=["x", "target"], output_names=["loss"],
+                                dynamic_shapes=({0: batch}, {0: batch}))
+    program.save(str(OUT / "torch_unet.onnx"))
+    losses = _sgd_losses(model, [(x[step], target[step]) for step in range(UNET_STEPS)], UNET_LR)
+    np.savez(OUT / "torch_unet.npz", x=x.numpy(), target=target.numpy())
+    info = {"optimizer": "sgd", "lr": UNET_LR, "batch": UNET_BATCH, "steps": UNET_STEPS, "losses": losses, "torch": torch.__version__}
+    (OUT / "torch_unet.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+GRU_STEPS, GRU_BATCH, GRU_SEQ, GRU_LR = 3, 4, 6, 0.1
+
+
+class SmallGRU(nn.Module):
+    """Embedding -> two-layer bidirectional GRU (batch first) -> Linear, MSE against `target`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.gru = nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(self.embed(ids))
+        return nn.functional.mse_loss(self.head(out), target)
+
+
+def export_gru() -> None:
+    """The GRU export (TorchScript, a symbolic batch), its training batches, and PyTorch's SGD losses on them."""
+    import json
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = SmallGRU().eval()
+    ids, target = torch.randint(0, 32, (GRU_STEPS, GRU_BATCH, GRU_SEQ)), torch.randn(GRU_STEPS, GRU_BATCH, GRU_SEQ, 3)
+    torch.onnx.export(model, (ids[0], target[0]), str(OUT / "torch_gru.onnx"), dynamo=False, opset_version=17, input_names=["ids", "target"],
+                      output_names=["loss"], dynamic_axes={"ids": {0: "batch"}, "target": {0: "batch"}})
+    losses = _sgd_losses(model, [(ids[step], target[step]) for step in range(GRU_STEPS)], GRU_LR)
+    np.savez(OUT / "torch_gru.npz", ids=ids.numpy(), target=target.numpy())
+    info = {"optimizer": "sgd", "lr": GRU_LR, "batch": GRU_BATCH, "steps": GRU_STEPS, "losses": losses, "torch": torch.__version__}
+    (OUT / "torch_gru.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def main() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -202,6 +283,8 @@ def main() -> None:
     program.save(str(OUT / "torch_cnn_dynamo.onnx"), external_data=True)
     export_gpt2()
     export_t5()
+    export_unet()
+    export_gru()
     for path in sorted(OUT.glob("torch_*")):
         print(path.name, path.stat().st_size)
 

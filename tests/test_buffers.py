@@ -1,0 +1,62 @@
+"""What the dynamo exporter stores beside the parameters is held, not trained: buffers, lifted constants, and
+tensors it folded from constants alone (its value_info metadata says which). Tensors folded from a parameter
+stay trained. The mark travels into the stage files, where the trainer reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxpipe.buffers import exporter_constants
+from onnxpipe.graph import load
+from onnxpipe.nodes import is_held, trained_initializers
+from onnxpipe.split import split
+
+KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+FOLDED = "pkg.onnxscript.optimizer.folded_from"
+
+
+def _exported() -> onnx.ModelProto:
+    """x [2, 4] -> MatMul w (a parameter) -> Mul freq (a buffer) -> Add fill (folded from constants) -> MatMul
+    folded (the exporter's transpose of a parameter) -> Add lifted (a lifted constant)."""
+    rng = np.random.default_rng(1)
+    names = ["w", "freq", "fill", "folded", "lifted"]
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+             for name, shape in zip(names, [(4, 4), (4,), (4,), (4, 4), (4,)])]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"),
+             helper.make_node("Mul", ["a", "freq"], ["b"], name="rotate"),
+             helper.make_node("Add", ["b", "fill"], ["c"], name="shift"),
+             helper.make_node("MatMul", ["c", "folded"], ["d"], name="mm2"),
+             helper.make_node("Add", ["d", "lifted"], ["y"], name="bias")]
+    graph = helper.make_graph(nodes, "exported", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], inits)
+    meta = {"w": {KIND: "PARAMETER"}, "freq": {KIND: "BUFFER"}, "fill": {FOLDED: "['val_0', 'attn.lifted_tensor_0', 'conv2d']"},
+            "folded": {FOLDED: "['layer.weight', 'val_3']"}, "lifted": {KIND: "CONSTANT_TENSOR"}}
+    for t in inits:
+        vi = helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims))
+        for key, value in meta[t.name].items():
+            vi.metadata_props.add(key=key, value=value)
+        graph.value_info.append(vi)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_buffers_constants_and_constant_folds_are_held() -> None:
+    assert exporter_constants(_exported()) == {"freq": "the exporter's buffer", "fill": "folded by the exporter from constants",
+                                               "lifted": "the exporter's lifted constant"}
+    assert load(_exported()).trained == ("folded", "w")
+
+
+def test_the_mark_travels_into_stage_files(tmp_path: Path) -> None:
+    from test_train import even_plan
+
+    graph = load(_exported())
+    split(graph, even_plan(graph, 2), tmp_path / "stages")
+    held, trained = set(), set()
+    for stage in sorted((tmp_path / "stages").glob("stage_*.onnx")):
+        model = onnx.load(str(stage))
+        held |= {t.name for t in model.graph.initializer if is_held(t)}
+        trained |= trained_initializers(model.graph)
+    assert held == {"freq", "fill", "lifted"} and trained == {"w", "folded"}
