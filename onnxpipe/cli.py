@@ -527,6 +527,8 @@ def verify(
     ensure_counts(samples=(samples, 1))
     ensure_finite("--rtol", rtol, positive=False)
     ensure_finite("--atol", atol, positive=False)
+    if Path(directory).is_file() and Path(model).is_dir():
+        raise OnnxpipeError(f"verify takes the stage directory first, then the model: onnxpipe verify {model} {directory}")
     errors = verify_stages(directory, model, dims=parse_dims(dim), samples=samples, seed=seed, atol=atol)
     print_batch(*stage_batch(directory, model, parse_dims(dim)))
     limits = {o.name: tolerance(o.dtype, rtol) for o in Manifest.read(directory).outputs}

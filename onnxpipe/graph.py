@@ -295,6 +295,7 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> Non
     if unknown:
         have = ", ".join(sorted(seen)) or "none"
         raise OnnxpipeError(f"{origin}: --dim {unknown[0]} names no symbolic dim of the model (its dims: {have})")
+    unbound: dict[str, str] = {}  # symbolic dim -> the first input that has it
     for vi in model.graph.input:
         shape = vi.type.tensor_type.shape
         if not vi.type.HasField("tensor_type"):
@@ -303,9 +304,16 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], origin: str) -> Non
             raise OnnxpipeError(f"{origin}: input '{vi.name}' has no shape; re-export with shapes or give them with --dim")
         for d in shape.dim:
             if not d.HasField("dim_value"):
-                label = d.dim_param or "?"
-                hint = f"--dim {d.dim_param}=VALUE" if d.dim_param else "a model exported with named or fixed dims"
-                raise OnnxpipeError(f"{origin}: dim '{label}' of input '{vi.name}' is unbound; costs depend on it, set it with {hint}")
+                if not d.dim_param:
+                    raise OnnxpipeError(f"{origin}: dim '?' of input '{vi.name}' is unbound; costs depend on it, set it with a model exported with named or fixed dims")
+                unbound.setdefault(d.dim_param, vi.name)
+    if len(unbound) == 1:
+        (label, name), = unbound.items()
+        raise OnnxpipeError(f"{origin}: dim '{label}' of input '{name}' is unbound; costs depend on it, set it with --dim {label}=VALUE")
+    if unbound:  # every one in one line: a transformer's batch and sequence alike
+        listed = ", ".join(f"'{label}' (input '{name}')" for label, name in unbound.items())
+        flags = " ".join(f"--dim {label}=VALUE" for label in unbound)
+        raise OnnxpipeError(f"{origin}: dims {listed} are unbound; costs depend on them, set them with {flags}")
 
 
 def _infer_shapes(model: onnx.ModelProto, origin: str) -> Inferred:

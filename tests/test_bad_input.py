@@ -343,6 +343,8 @@ CASES = [
     Case("opset-above-runtime-annotate", _newer_opset("new.onnx"), ("annotate", "new.onnx", "-o", "a.onnx"), _OPSET_22, ("a.onnx",)),
     Case("opset-above-runtime-train", _newer_opset("new.onnx"), ("train", "new.onnx", "--steps", "1", "--json", "t.json"), _OPSET_22, ("t.json",)),
     Case("opset-above-runtime-verify", both(copy("stages"), _newer_opset("new.onnx")), ("verify", "stages", "new.onnx"), _OPSET_22),
+    Case("verify-arguments-swapped", both(copy("stages"), copy("mlp.onnx")), ("verify", "mlp.onnx", "stages"),
+         r"verify takes the stage directory first, then the model: onnxpipe verify stages mlp\.onnx"),
     Case("opset-above-runtime-stage", edited_stages(_stage_newer_opset), ("run", "stages", "--inputs", "good.npz", "-o", "o.npz"),
          r"stage_1\.onnx: " + _OPSET_22, ("o.npz",)),
     Case("ir-11-type-ir-10-lacks", _float4_ir11, ("split", "float4.onnx", "-t", "fpga4", "-o", "out"),

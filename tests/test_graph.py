@@ -56,6 +56,11 @@ def test_symbolic_dims_bind_and_unbound_dims_name_the_flag() -> None:
         load(_mlp("batch"))
     with pytest.raises(OnnxpipeError, match=r"--dim seq names no symbolic dim of the model \(its dims: batch\)"):
         load(_mlp("batch"), {"batch": 2, "seq": 4})
+    two = _mlp("batch")
+    two.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "features"
+    with pytest.raises(OnnxpipeError, match=r"dims 'batch' \(input 'x'\), 'features' \(input 'x'\) are unbound; costs depend on them, "
+                                            r"set them with --dim batch=VALUE --dim features=VALUE$"):
+        load(two)
 
 
 def test_legacy_ir3_initializers_listed_as_inputs_are_not_user_inputs() -> None:
