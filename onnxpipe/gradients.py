@@ -122,7 +122,7 @@ def ensure_gradients(model: onnx.ModelProto, trained: Iterable[str] | None, orig
     if missing:
         raise OnnxpipeError(
             f"{origin}: onnxruntime-training 1.19.2 has no gradient for {describe_missing(missing)}; "
-            "re-export the model without these ops (e.g. Einsum as MatMul) or train it elsewhere"
+            "re-export the model without these ops or train it elsewhere"
         )
 
 

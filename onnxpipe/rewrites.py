@@ -22,6 +22,8 @@ normalizations compute the same formula with other kernels (equal within float r
   in its input and acts on each axis alone, so its matrix per axis is onnxruntime's own Resize of an identity
   matrix, with the node's attributes: every mode and rounding rule as onnxruntime computes it. Static shapes only
   (stage files have them).
+- Einsum of one or two operands -> Transpose, ReduceSum, Reshape and MatMul (`onnxpipe.einsum`): onnxruntime-training
+  1.19.2 has no Einsum gradient, and both torch exporters keep `torch.einsum` as Einsum.
 - GRU and RNN (static sequence length) -> their steps unrolled (`onnxpipe.recurrent`): onnxruntime-training 1.19.2
   has no gradient for either.
 - LayerNormalization of float16 or bfloat16 at opset >= 18 -> Cast to float32, LayerNormalization, Cast back:
@@ -30,7 +32,7 @@ normalizations compute the same formula with other kernels (equal within float r
   the float16 kernel's by float16 rounding (a unit in the last place).
 
 Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`
--> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_recurrent` -> `_float32_layer_norm`.
+-> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_einsum` -> `_recurrent` -> `_float32_layer_norm`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from onnx import helper, numpy_helper
 
 from onnxpipe.nodes import is_weight
 from onnxpipe.ortutil import complete_optional_outputs, cpu_session
+from onnxpipe.einsum import lowered
 from onnxpipe.recurrent import UNROLLED_OPS, unrolled
 
 __all__ = ["FLOAT_TYPES", "REWRITE_MARK", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
@@ -463,6 +466,13 @@ def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
     return "ConvTranspose -> MatMul by spacing matrices, Conv", new
 
 
+def _einsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    if _float_input(node, types) is None:
+        return None
+    new = lowered(node, graph, [_static_shape(types, name) for name in node.input], opset, _base(node, "einsum"))
+    return None if new is None else ("Einsum -> Transpose, ReduceSum, Reshape, MatMul", new)
+
+
 def _recurrent(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
     dtype = _float_input(node, types)
     new = None if dtype is None else unrolled(node, graph, _static_shape(types, node.input[0]), dtype, opset, _base(node, "unrolled"))
@@ -488,6 +498,7 @@ _PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
     (frozenset({"InstanceNormalization"}), _instance_norm),
     (frozenset({"Resize"}), _resize),
     (frozenset({"ConvTranspose"}), _conv_transpose),
+    (frozenset({"Einsum"}), _einsum),
     (UNROLLED_OPS, _recurrent),
     (frozenset({"LayerNormalization"}), _float32_layer_norm),
 )

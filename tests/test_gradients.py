@@ -438,3 +438,27 @@ def test_gru_and_rnn_unrolled_compute_the_op_and_train(op: str, attrs: dict, bia
     trained = {"w", "r"} | ({"b"} if bias else set()) | ({"h0"} if initial else set())
     grads = cpu_session(gradient_model(rewritten.SerializeToString(), "loss", trained).SerializeToString()).run([f"{t}_grad" for t in sorted(trained)], {"x": x})
     assert all(np.abs(g).sum() > 0 for g in grads)
+
+
+EINSUMS = [  # (equation, x shape, kernel shape or None for one operand, output shape)
+    ("btd,dhe->bthe", [2, 3, 8], [8, 4, 6], [2, 3, 4, 6]),
+    ("bik,bkj->bij", [2, 3, 4], [2, 4, 5], [2, 3, 5]),
+    ("ij,jk", [3, 4], [4, 2], [3, 2]),
+    ("...ij,jk->...ik", [2, 3, 4], [4, 5], [2, 3, 5]),
+    ("bij,bij->b", [2, 3, 4], [2, 3, 4], [2]),
+    ("bxi,jy->byi", [2, 3, 4], [5, 6], [2, 6, 4]),
+    ("bij->bji", [2, 3, 4], None, [2, 4, 3]),
+    ("bij->j", [2, 3, 4], None, [4]),
+]
+
+
+@pytest.mark.parametrize("equation,x_shape,k_shape,y_shape", EINSUMS, ids=[e[0] for e in EINSUMS])
+def test_einsum_trains_as_transposes_and_a_matmul(equation: str, x_shape: list[int], k_shape: list[int] | None, y_shape: list[int]) -> None:
+    """onnxruntime-training 1.19.2 has no Einsum gradient and both torch exporters keep torch.einsum as Einsum:
+    written as Transpose, ReduceSum, Reshape and MatMul it computes Einsum's values and trains (letters each
+    operand sums alone, a batch, an implicit output and an ellipsis included)."""
+    inits = [numpy_helper.from_array(RNG.normal(size=k_shape).astype(np.float32), "kernel")] if k_shape else []
+    node = helper.make_node("Einsum", ["scaled"] + (["kernel"] if k_shape else []), ["y"], name="einsum", equation=equation)
+    model = _linear_op_model(node, x_shape, inits, y_shape, opset=17)
+    assert missing_gradients(model, {"w"}) == ()
+    _assert_rewritten_like_the_op(model, "Einsum -> Transpose, ReduceSum, Reshape, MatMul", ("w", "kernel") if k_shape else ("w",), exact=False)

@@ -246,20 +246,6 @@ def test_untrainable_ops_are_named_before_training() -> None:
     assert "re-export" in str(info.value)
 
 
-def test_einsum_node_is_named() -> None:
-    from onnx import TensorProto, helper, numpy_helper
-
-    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("Einsum", ["x", "w"], ["y"], name="mix", equation="ij,jk->ik"),
-         helper.make_node("ReduceMean", ["y"], ["loss"], name="mean", keepdims=0)],
-        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(OnnxpipeError, match=r"Einsum \(1 node: mix\)"):
-        build_stage_graphs(model, params=["w"], grad_inputs=(), grad_outputs=(), loss="loss", recompute=False)
-
-
 def test_bad_batch_shape_names_the_batch_flag() -> None:
     _, manifest = stage_dir("mlp", 2)
     inputs = model_inputs(manifest, TrainConfig())
