@@ -47,9 +47,10 @@ from onnx import helper, numpy_helper
 from onnxpipe.nodes import is_weight
 from onnxpipe.ortutil import complete_optional_outputs, cpu_session
 from onnxpipe.einsum import lowered
+from onnxpipe.gradprobe import FLOAT_TYPES, tensor_types
 from onnxpipe.recurrent import UNROLLED_OPS, unrolled
 
-__all__ = ["FLOAT_TYPES", "REWRITE_MARK", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
+__all__ = ["REWRITE_MARK", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
 
 #: What the nodes a rewrite writes in place of a node are named under: `<node>/onnxpipe_<rewrite>/...`, which the
 #: profiler maps back to `<node>` (`cost_profile.own_names`).
@@ -106,20 +107,6 @@ def _has_values(tensor: onnx.TensorProto) -> bool:
     return tensor.HasField("raw_data") or any(len(getattr(tensor, f)) for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"))
 
 
-def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Every tensor type the model declares, plus what onnx shape inference finds (once per rewrite)."""
-    graph = model.graph
-    types = {v.name: v.type for v in list(graph.input) + list(graph.value_info) + list(graph.output) if v.type.HasField("tensor_type")}
-    types.update({t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
-    if any(o not in types for n in graph.node for o in n.output if o):
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-            types.update({v.name: v.type for v in inferred.graph.value_info if v.type.HasField("tensor_type") and v.name not in types})
-        except Exception:  # contrib ops: what is declared
-            pass
-    return types
-
-
 def _dim(types: Mapping[str, onnx.TypeProto], tensor: str, axis: int) -> int | None:
     """A static dim of a tensor."""
     found = types.get(tensor)
@@ -136,7 +123,7 @@ def _cast_like(model: onnx.ModelProto) -> list[Rewrite]:
     done: list[Rewrite] = []
     if not any(n.op_type == "CastLike" for n in model.graph.node):
         return done
-    types = _types(model)
+    types = tensor_types(model)
     for node in model.graph.node:
         if node.op_type != "CastLike" or node.domain not in ("", "ai.onnx"):
             continue
@@ -159,7 +146,7 @@ def _sizes(model: onnx.ModelProto, node: onnx.NodeProto, consts: Mapping[str, np
         return None
     if split is not None and consts[split].ndim == 1:
         return [int(v) for v in consts[split]]
-    total = _dim(_types(model), node.input[0], axis)
+    total = _dim(tensor_types(model), node.input[0], axis)
     if total is None:
         return None
     chunk = 1 if split is None else int(consts[split])
@@ -221,8 +208,6 @@ def _split_to_sequence(model: onnx.ModelProto) -> list[Rewrite]:
 #: Op -> the input slots onnxruntime-training 1.19.2 differentiates without summing back a broadcast (asked of its
 #: gradient builder: Add, Sub, Mul, Div, Min and Max sum back; Where's two values and Pow's base do not).
 _UNREDUCED = {"Where": (1, 2), "Pow": (0,)}
-#: Element types a gradient flows through.
-FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16})
 
 
 def _shape(types: Mapping[str, onnx.TypeProto], tensor: str) -> tuple | None:
@@ -238,7 +223,7 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
     graph = model.graph
     if not any(n.op_type in _UNREDUCED and n.domain in ("", "ai.onnx") for n in graph.node):
         return []
-    types = _types(model)
+    types = tensor_types(model)
     # Constants take no gradient (a masked fill's -inf, a scalar): expanding them would only cost memory.
     constants = {t.name for t in graph.initializer if not is_weight(helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims))}
     constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
@@ -289,7 +274,7 @@ def _each_node(model: onnx.ModelProto, ops: frozenset[str], rewrite: NodeRewrite
     graph = model.graph
     if not any(n.op_type in ops and n.domain in ("", "ai.onnx") for n in graph.node):
         return []
-    types, opset = _types(model), _opset(model)
+    types, opset = tensor_types(model), _opset(model)
     done: list[Rewrite] = []
     replaced: dict[int, list[onnx.NodeProto]] = {}
     nodes = list(graph.node)
