@@ -13,6 +13,10 @@ normalizations compute the same formula with other kernels (equal within float r
   the broadcast axes, so the gradient comes out in the output's shape (T5's attention, Where(mask,
   position bias [1, heads, q, k], ...), fails to build; a weight read so would get a gradient of the
   wrong shape). Expand's gradient sums back.
+- An op onnxruntime-training cannot differentiate that the ONNX spec defines as a function (HardSwish, HardSigmoid,
+  Elu, Selu, Celu, Softplus, Mish, PRelu, ...) -> its function body (`onnxpipe.expand`), asked of the gradient probe
+  (`onnxpipe.gradprobe`) node type by node type; last in each round of rewrites, which repeat while any applies
+  (bodies use CastLike and broadcast Where).
 - InstanceNormalization (torch's GroupNorm and InstanceNorm export as it, by either exporter) -> ReduceMean, Sub,
   Mul, Add, Sqrt, Div and the per-channel scale and bias: onnxruntime-training 1.19.2 has no gradient for it.
 - Resize (nearest, linear, cubic; the last two axes) -> MatMul by constant interpolation matrices, and ConvTranspose
@@ -24,6 +28,9 @@ normalizations compute the same formula with other kernels (equal within float r
   (stage files have them).
 - Einsum of one or two operands -> Transpose, ReduceSum, Reshape and MatMul (`onnxpipe.einsum`): onnxruntime-training
   1.19.2 has no Einsum gradient, and both torch exporters keep `torch.einsum` as Einsum.
+- DepthToSpace and SpaceToDepth (PixelShuffle) -> Reshape, Transpose, Reshape, as the spec defines them; ReduceMax,
+  ReduceMin and GlobalMaxPool -> TopK(k=1) over the reduced axes: onnxruntime-training 1.19.2 has no gradient for
+  any of them (static shapes).
 - GRU and RNN (static sequence length) -> their steps unrolled (`onnxpipe.recurrent`): onnxruntime-training 1.19.2
   has no gradient for either.
 - LayerNormalization of float16 or bfloat16 at opset >= 18 -> Cast to float32, LayerNormalization, Cast back:
@@ -32,7 +39,8 @@ normalizations compute the same formula with other kernels (equal within float r
   the float16 kernel's by float16 rounding (a unit in the last place).
 
 Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`
--> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_einsum` -> `_recurrent` -> `_float32_layer_norm`.
+-> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_einsum` -> `_depth_to_space` -> `_reduce_extreme` -> `_recurrent` -> `_float32_layer_norm`;
+then `_function_bodies`.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ from onnx import helper, numpy_helper
 from onnxpipe.nodes import is_weight
 from onnxpipe.ortutil import complete_optional_outputs, cpu_session
 from onnxpipe.einsum import lowered
-from onnxpipe.gradprobe import FLOAT_TYPES, tensor_types
+from onnxpipe.expand import body, inlined
+from onnxpipe.gradprobe import FLOAT_TYPES, differentiable, is_float, tensor_types
 from onnxpipe.recurrent import UNROLLED_OPS, unrolled
 
 __all__ = ["REWRITE_MARK", "Rewrite", "rewrite_for_training", "for_gradient_builder"]
@@ -71,19 +80,29 @@ def for_gradient_builder(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` as onnxruntime-training's gradient builder needs it: the one preparation the trainer, the
     gradient check and the profiler share (the profiler once lacked a step and timed no dynamo export's backward).
     Exporter patterns rewritten (`rewrite_for_training`) and optional outputs spelled out (LayerNormalization's
-    gradient reads its Mean and InvStdDev: `ortutil.complete_optional_outputs`)."""
+    gradient reads its Mean and InvStdDev: `ortutil.complete_optional_outputs`), those of nodes the rewrites wrote too."""
     out, _ = rewrite_for_training(model)
     complete_optional_outputs(out.graph)
     return out
 
 
 def rewrite_for_training(model: onnx.ModelProto) -> tuple[onnx.ModelProto, tuple[Rewrite, ...]]:
-    """A copy of `model` with every known non-differentiable exporter pattern replaced, and what was replaced."""
+    """A copy of `model` with every known non-differentiable exporter pattern replaced, and what was replaced. Rounds
+    until one replaces nothing: a function body may hold a CastLike, a broadcast Where or another function op.
+    Optional outputs are spelled out first: the gradient probe that decides which function ops to expand asks with
+    them, as training builds the gradient (a LayerNormalization without its Mean has no gradient)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    done = _split_to_sequence(out) + _cast_like(out) + _expand_broadcast(out)
-    for ops, rewrite in _PER_NODE:
-        done += _each_node(out, ops, rewrite)
+    complete_optional_outputs(out.graph)
+    done: list[Rewrite] = []
+    for _ in range(_ROUNDS):
+        step = _split_to_sequence(out) + _cast_like(out) + _expand_broadcast(out)
+        for ops, rewrite in _PER_NODE:
+            step += _each_node(out, ops, rewrite)
+        step += _function_bodies(out)
+        if not step:
+            break
+        done += step
     return out, tuple(done)
 
 
@@ -229,13 +248,14 @@ def _expand_broadcast(model: onnx.ModelProto) -> list[Rewrite]:
     constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
     done: list[Rewrite] = []
     nodes: list[onnx.NodeProto] = []
+    mark = f"{REWRITE_MARK}expand"
     for node in graph.node:
-        slots = _UNREDUCED.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ()
+        slots = _UNREDUCED.get(node.op_type, ()) if node.domain in ("", "ai.onnx") and mark not in node.name else ()
         for slot in slots:
             name = node.input[slot] if slot < len(node.input) else ""
             found = types.get(name)
-            if not name or name in constants or found is None or found.tensor_type.elem_type not in FLOAT_TYPES:
-                continue
+            if not name or name in constants or mark in name or found is None or found.tensor_type.elem_type not in FLOAT_TYPES:
+                continue  # (`mark`: expanded already, in an earlier round, or the node run once more for a shape)
             out = _shape(types, node.output[0])
             if out is not None and _shape(types, name) == out:
                 continue  # not broadcast
@@ -267,6 +287,34 @@ def _replace(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], replaced: Mapp
 #: A rewrite of one node: (node, the model's types, its opset, the graph its constants go into) -> (pattern, the
 #: nodes computing the node's outputs), or None where the node is left as it is.
 NodeRewrite = Callable[[onnx.NodeProto, Mapping[str, onnx.TypeProto], int, onnx.GraphProto], "tuple[str, list[onnx.NodeProto]] | None"]
+
+
+#: Rounds of rewrites at most: a body may call another function op (HardSwish -> HardSigmoid), itself expanded next round.
+_ROUNDS = 4
+
+
+def _function_bodies(model: onnx.ModelProto) -> list[Rewrite]:
+    """Every node onnxruntime-training cannot differentiate whose op the spec defines as a function, inlined: last in
+    a round, so that the rewrites above keep the ops they handle better (CastLike, a float16 LayerNormalization)."""
+    graph = model.graph
+    types, opset = tensor_types(model), _opset(model)
+    done: list[Rewrite] = []
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    nodes = list(graph.node)
+    for at, node in enumerate(nodes):
+        slots = tuple(k for k, name in enumerate(node.input) if name and is_float(types.get(name)))
+        if not slots or not any(is_float(types.get(o)) for o in node.output if o):
+            continue
+        found = body(node, opset, [types.get(name, onnx.TypeProto()) for name in node.input])
+        if found is None or differentiable(model, node, slots, types, opset) is not False:
+            continue
+        new = inlined(node, *found, _base(node, "body"))
+        if new is not None:
+            replaced[at] = new
+            done.append(Rewrite(f"{node.op_type} -> its ONNX function body", node.name))
+    if done:
+        _replace(graph, nodes, replaced)
+    return done
 
 
 def _each_node(model: onnx.ModelProto, ops: frozenset[str], rewrite: NodeRewrite) -> list[Rewrite]:
@@ -458,6 +506,60 @@ def _einsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: in
     return None if new is None else ("Einsum -> Transpose, ReduceSum, Reshape, MatMul", new)
 
 
+def _depth_to_space(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    """DepthToSpace and SpaceToDepth as the spec defines them: Reshape, Transpose, Reshape (PixelShuffle's export)."""
+    shape, out = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
+    if _float_input(node, types) is None or shape is None or out is None or len(shape) != 4:
+        return None
+    attrs = _attributes(node)
+    k = int(attrs["blocksize"])  # type: ignore[call-overload]
+    n, c, h, w = shape
+    if node.op_type == "DepthToSpace":
+        crd = attrs.get("mode", b"DCR") == b"CRD"
+        split, perm = ([n, c // (k * k), k, k, h, w], [0, 1, 4, 2, 5, 3]) if crd else ([n, k, k, c // (k * k), h, w], [0, 3, 4, 1, 5, 2])
+    else:
+        split, perm = [n, c, h // k, k, w // k, k], [0, 3, 5, 1, 2, 4]
+    b = _base(node, "space")
+    graph.initializer.extend([numpy_helper.from_array(np.array(split, np.int64), f"{b}/split"), numpy_helper.from_array(np.array(out, np.int64), f"{b}/out")])
+    return f"{node.op_type} -> Reshape, Transpose, Reshape", [
+        helper.make_node("Reshape", [node.input[0], f"{b}/split"], [f"{b}/blocks"], name=f"{b}/blocks"),
+        helper.make_node("Transpose", [f"{b}/blocks"], [f"{b}/moved"], name=f"{b}/moved", perm=perm),
+        helper.make_node("Reshape", [f"{b}/moved", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/joined")]
+
+
+def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    """ReduceMax, ReduceMin and GlobalMaxPool as TopK(k=1) over the reduced axes moved last and flattened: the same
+    values, and TopK has a gradient (to the first of tied elements, as a max pool's)."""
+    shape, out = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
+    if _float_input(node, types) is None or shape is None or out is None:
+        return None
+    attrs = _attributes(node)
+    rank = len(shape)
+    if node.op_type == "GlobalMaxPool":
+        axes = list(range(2, rank))
+    else:
+        given = attrs.get("axes") if opset < 18 or node.op_type not in ("ReduceMax", "ReduceMin") else None
+        if given is None and len(node.input) > 1 and node.input[1]:
+            found = _constants(graph).get(node.input[1])
+            if found is None:
+                return None
+            given = [int(a) for a in np.atleast_1d(found)]
+        if not given and attrs.get("noop_with_empty_axes", 0):
+            return None
+        axes = sorted({int(a) % rank for a in given} if given else set(range(rank)))  # type: ignore[union-attr]
+    kept = [a for a in range(rank) if a not in axes]
+    b = _base(node, "topk")
+    graph.initializer.extend([numpy_helper.from_array(np.array([*(shape[a] for a in kept), -1], np.int64), f"{b}/flat"),
+                              numpy_helper.from_array(np.array([1], np.int64), f"{b}/k"),
+                              numpy_helper.from_array(np.array(out, np.int64), f"{b}/out")])
+    return f"{node.op_type} -> TopK over the reduced axes", [
+        helper.make_node("Transpose", [node.input[0]], [f"{b}/moved"], name=f"{b}/moved", perm=kept + axes),
+        helper.make_node("Reshape", [f"{b}/moved", f"{b}/flat"], [f"{b}/flattened"], name=f"{b}/flattened"),
+        helper.make_node("TopK", [f"{b}/flattened", f"{b}/k"], [f"{b}/values", f"{b}/indices"], name=f"{b}/values", axis=-1,
+                         largest=int(node.op_type != "ReduceMin")),
+        helper.make_node("Reshape", [f"{b}/values", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/shaped")]
+
+
 def _recurrent(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
     dtype = _float_input(node, types)
     new = None if dtype is None else unrolled(node, graph, _static_shape(types, node.input[0]), dtype, opset, _base(node, "unrolled"))
@@ -484,6 +586,8 @@ _PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
     (frozenset({"Resize"}), _resize),
     (frozenset({"ConvTranspose"}), _conv_transpose),
     (frozenset({"Einsum"}), _einsum),
+    (frozenset({"DepthToSpace", "SpaceToDepth"}), _depth_to_space),
+    (frozenset({"ReduceMax", "ReduceMin", "GlobalMaxPool"}), _reduce_extreme),
     (UNROLLED_OPS, _recurrent),
     (frozenset({"LayerNormalization"}), _float32_layer_norm),
 )

@@ -18,9 +18,10 @@ def reference(name: str) -> dict:
     return json.loads((DATA / f"{name}.json").read_text())
 
 
-def pipelined_losses(name: str, stages: int, schedule: str, **options: object) -> np.ndarray:
-    """SGD at the reference's rate on its batches, 2 micro-batches, `stages` stages on cpu4 (in this process)."""
-    ref, batches = reference(name), np.load(DATA / f"{name}.npz")
+def pipelined_losses(name: str, stages: int, schedule: str, *, data: str | None = None, **options: object) -> np.ndarray:
+    """SGD at the reference's rate on its batches, 2 micro-batches, `stages` stages on cpu4 (in this process).
+    `data`: the reference's name where another export of the same model holds it (default `name`)."""
+    ref, batches = reference(data or name), np.load(DATA / f"{data or name}.npz")
     with Pipeline(DATA / f"{name}.onnx", "cpu4", stages=stages, batch=ref["batch"], microbatches=2, schedule=schedule,
                   optimizer=OptimizerConfig("sgd", lr=ref["lr"]), processes=False, **options) as pipe:
         assert pipe.stages == stages

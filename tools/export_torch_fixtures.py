@@ -21,6 +21,10 @@ no gradient for InstanceNormalization (GroupNorm's export) and no CPU kernels fo
 ConvTranspose, which `onnxpipe.rewrites` writes out in ops that have them.
 The GRU fixture (an embedding, a two-layer bidirectional batch-first GRU, a linear head, an MSE loss; TorchScript
 exporter) likewise: onnxruntime-training has no GRU gradient, and `onnxpipe.recurrent` unrolls its steps.
+The activations fixture (HardSwish and an SE block's HardSigmoid as in MobileNetV3, PReLU, PixelShuffle, ELU, SELU,
+CELU, Mish, Softplus, torch.amax and an adaptive max pool; an MSE loss) is exported by both exporters, into
+`torch_activations.onnx` (dynamo) and `torch_activations_ts.onnx` (TorchScript, opset 17), with one `.npz` / `.json`:
+onnxruntime-training has no gradient for any of those ops as exported, and `onnxpipe.rewrites` writes them out.
 The Conv1D biases are drawn at random instead of torch's zeros: the default optimisation deletes an
 all-zero Gemm bias (onnxscript's RemoveOptionalBiasFromGemm), and a weight missing from the file
 cannot be trained like PyTorch trains it.
@@ -267,6 +271,51 @@ def export_gru() -> None:
     (OUT / "torch_gru.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+ACT_STEPS, ACT_BATCH, ACT_LR = 3, 4, 0.05
+
+
+class ActivationNet(nn.Module):
+    """Activations onnxruntime-training cannot differentiate as exported, each on the path from the weights to the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.se_reduce, self.se_expand = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.prelu = nn.PReLU(16)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        f = nn.functional
+        h = f.hardswish(self.stem(x))
+        h = h * f.hardsigmoid(self.se_expand(f.relu(self.se_reduce(h.mean((2, 3), keepdim=True)))))
+        h = f.pixel_shuffle(self.prelu(self.conv(h)), 2)
+        h = f.elu(h) + f.selu(h) + f.celu(h, 1.5) + f.mish(h) + f.softplus(h)
+        pooled = torch.cat([torch.amax(h, dim=(2, 3)), f.adaptive_max_pool2d(h, 1).flatten(1)], 1)
+        return f.mse_loss(self.head(pooled), target)
+
+
+def export_activations() -> None:
+    """The activations model by both exporters (a symbolic batch), its training batches, and PyTorch's SGD losses."""
+    import json
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = ActivationNet().eval()
+    x, target = torch.randn(ACT_STEPS, ACT_BATCH, 3, 8, 8), torch.randn(ACT_STEPS, ACT_BATCH, 3)
+    batch = torch.export.Dim("batch")
+    program = torch.onnx.export(model, (x[0], target[0]), dynamo=True, input_names=["x", "target"], output_names=["loss"],
+                                dynamic_shapes=({0: batch}, {0: batch}))
+    program.save(str(OUT / "torch_activations.onnx"))
+    torch.onnx.export(model, (x[0], target[0]), str(OUT / "torch_activations_ts.onnx"), dynamo=False, opset_version=17,
+                      input_names=["x", "target"], output_names=["loss"], dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}})
+    losses = _sgd_losses(model, [(x[step], target[step]) for step in range(ACT_STEPS)], ACT_LR)
+    np.savez(OUT / "torch_activations.npz", x=x.numpy(), target=target.numpy())
+    info = {"optimizer": "sgd", "lr": ACT_LR, "batch": ACT_BATCH, "steps": ACT_STEPS, "losses": losses, "torch": torch.__version__}
+    (OUT / "torch_activations.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def main() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -285,6 +334,7 @@ def main() -> None:
     export_t5()
     export_unet()
     export_gru()
+    export_activations()
     for path in sorted(OUT.glob("torch_*")):
         print(path.name, path.stat().st_size)
 
