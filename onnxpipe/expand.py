@@ -60,14 +60,14 @@ def body(node: onnx.NodeProto, opset: int, types: list[onnx.TypeProto]) -> tuple
 
 def inlined(node: onnx.NodeProto, schema: onnx.OpSchema, function: onnx.FunctionProto, prefix: str) -> list[onnx.NodeProto] | None:
     """The body's nodes computing `node`'s outputs from its inputs, the body's own values named under `prefix`;
-    None where a body node carries a subgraph."""
+    None where a body node carries a subgraph or is of another domain (the model may not import it)."""
     rename = {formal: actual for formal, actual in zip(function.input, list(node.input) + [""] * len(function.input))}
     rename.update(zip(function.output, node.output))
     given = {a.name: a for a in node.attribute}
     defaults = {name: a.default_value for name, a in schema.attributes.items() if a.default_value.type != onnx.AttributeProto.UNDEFINED}
     nodes = []
     for i, inner in enumerate(function.node):
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in inner.attribute):
+        if inner.domain not in ("", "ai.onnx") or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in inner.attribute):
             return None
         new = helper.make_node(inner.op_type, [rename.get(x, f"{prefix}/{x}") if x else "" for x in inner.input],
                                [rename.get(x, f"{prefix}/{x}") if x else "" for x in inner.output], name=f"{prefix}/{i}_{inner.op_type}",
