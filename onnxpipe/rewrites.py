@@ -30,7 +30,8 @@ normalizations compute the same formula with other kernels (equal within float r
   1.19.2 has no Einsum gradient, and both torch exporters keep `torch.einsum` as Einsum.
 - DepthToSpace and SpaceToDepth (PixelShuffle) -> Reshape, Transpose, Reshape, as the spec defines them; ReduceMax,
   ReduceMin and GlobalMaxPool -> TopK(k=1) over the reduced axes: onnxruntime-training 1.19.2 has no gradient for
-  any of them (static shapes).
+  any of them (static shapes). Sum and Mean of several tensors -> Adds; CumSum -> MatMul by a
+  triangular matrix along its axis (neither has a gradient there either).
 - GRU and RNN (static sequence length) -> their steps unrolled (`onnxpipe.recurrent`): onnxruntime-training 1.19.2
   has no gradient for either.
 - LayerNormalization of float16 or bfloat16 at opset >= 18 -> Cast to float32, LayerNormalization, Cast back:
@@ -39,7 +40,7 @@ normalizations compute the same formula with other kernels (equal within float r
   the float16 kernel's by float16 rounding (a unit in the last place).
 
 Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like` -> `_expand_broadcast`
--> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_einsum` -> `_depth_to_space` -> `_reduce_extreme` -> `_recurrent` -> `_float32_layer_norm`;
+-> `_each_node` (one node at a time, `_PER_NODE`): `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_einsum` -> `_depth_to_space` -> `_reduce_extreme` -> `_sum_mean` -> `_cumsum` -> `_recurrent` -> `_float32_layer_norm`;
 then `_function_bodies`.
 """
 
@@ -560,6 +561,49 @@ def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
         helper.make_node("Reshape", [f"{b}/values", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/shaped")]
 
 
+def _sum_mean(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    """Sum and Mean of several tensors as a chain of Adds (and a Div for Mean): Add broadcasts as they do."""
+    dtype = _float_input(node, types)
+    inputs = [name for name in node.input if name]
+    if dtype is None or len(inputs) < 2:
+        return None
+    b = _base(node, "adds")
+    new, total = [], inputs[0]
+    for k, name in enumerate(inputs[1:]):
+        last = k == len(inputs) - 2 and node.op_type == "Sum"
+        out = node.output[0] if last else f"{b}/{k}"
+        new.append(helper.make_node("Add", [total, name], [out], name=node.name if last and node.name else f"{b}/add{k}"))
+        total = out
+    if node.op_type == "Mean":
+        graph.initializer.append(numpy_helper.from_array(np.array(len(inputs), dtype), f"{b}/count"))
+        new.append(helper.make_node("Div", [total, f"{b}/count"], [node.output[0]], name=node.name or f"{b}/mean"))
+    return f"{node.op_type} -> Add", new
+
+
+def _cumsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+    """CumSum as a MatMul by a triangular matrix of ones along its axis (exclusive: strictly triangular; reverse: the
+    other triangle), the axis swapped last and back where it is not."""
+    dtype, shape = _float_input(node, types), _static_shape(types, node.input[0])
+    axis = _constants(graph).get(node.input[1])
+    if dtype is None or shape is None or axis is None or axis.size != 1:
+        return None
+    rank = len(shape)
+    at = int(axis.reshape(-1)[0]) % rank
+    attrs = _attributes(node)
+    exclusive, reverse = int(attrs.get("exclusive", 0)), int(attrs.get("reverse", 0))  # type: ignore[call-overload]
+    rows, cols = np.indices((shape[at], shape[at]))  # matrix[i, j] = 1 where output i sums input j
+    matrix = ((cols >= rows + exclusive) if reverse else (cols <= rows - exclusive)).astype(np.float32)
+    b = _base(node, "cumsum")
+    if at >= rank - 2:
+        return "CumSum -> MatMul by a triangular matrix", _axis_matmuls(graph, node.input[0], {at: matrix}, rank, b, node.output[0], dtype)
+    swap = list(range(rank))
+    swap[at], swap[-1] = swap[-1], swap[at]
+    return "CumSum -> MatMul by a triangular matrix", [
+        helper.make_node("Transpose", [node.input[0]], [f"{b}/last"], name=f"{b}/last", perm=swap),
+        *_axis_matmuls(graph, f"{b}/last", {rank - 1: matrix}, rank, b, f"{b}/summed", dtype),
+        helper.make_node("Transpose", [f"{b}/summed"], [node.output[0]], name=node.name or f"{b}/back", perm=swap)]
+
+
 def _recurrent(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
     dtype = _float_input(node, types)
     new = None if dtype is None else unrolled(node, graph, _static_shape(types, node.input[0]), dtype, opset, _base(node, "unrolled"))
@@ -588,6 +632,8 @@ _PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
     (frozenset({"Einsum"}), _einsum),
     (frozenset({"DepthToSpace", "SpaceToDepth"}), _depth_to_space),
     (frozenset({"ReduceMax", "ReduceMin", "GlobalMaxPool"}), _reduce_extreme),
+    (frozenset({"Sum", "Mean"}), _sum_mean),
+    (frozenset({"CumSum"}), _cumsum),
     (UNROLLED_OPS, _recurrent),
     (frozenset({"LayerNormalization"}), _float32_layer_norm),
 )
