@@ -923,6 +923,7 @@ def inspect_command(
     from onnxpipe.cost import weight_owners
     from onnxpipe.graph import load
     from onnxpipe.gradients import describe_missing, missing_gradients
+    from onnxpipe.rewrites import rewrite_for_training
     from onnxpipe.units import format_bytes
 
     graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
@@ -954,6 +955,10 @@ def inspect_command(
     missing = missing_gradients(graph.model)
     if missing:
         console.print(f"[yellow]no gradient in onnxruntime-training 1.19.2 for:[/] {escape(describe_missing(missing))}", highlight=False)
+    rewritten = Counter(r.pattern for r in rewrite_for_training(graph.model)[1])
+    if rewritten:
+        console.print("written out for training (the stage files keep them): " + ", ".join(
+            f"{pattern} x{count}" for pattern, count in rewritten.most_common()), highlight=False)
     if nodes:
         table = Table("#", "node", "op", "outputs", "shape", title="compute nodes in topological order")
         for i, name in enumerate(graph.compute_nodes):

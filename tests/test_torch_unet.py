@@ -23,3 +23,15 @@ def test_the_fixture_has_the_ops_the_rewrites_replace() -> None:
 @pytest.mark.parametrize("stages,schedule", [(2, "1f1b"), (3, "zb-h1")])
 def test_pipelined_training_reproduces_pytorch_sgd(stages: int, schedule: str) -> None:
     np.testing.assert_allclose(pipelined_losses("torch_unet", stages, schedule), reference("torch_unet")["losses"], rtol=1e-5)
+
+
+def test_inspect_says_what_training_writes_out() -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "onnxpipe", "inspect", str(DATA / "torch_unet.onnx"), "--dim", "batch=4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    said = " ".join(run.stdout.split())
+    assert ("written out for training (the stage files keep them): InstanceNormalization -> ReduceMean, Sub, Mul, Sqrt, Div x2, "
+            "Resize -> MatMul by interpolation matrices x2, ConvTranspose -> MatMul by spacing matrices, Conv x1") in said
