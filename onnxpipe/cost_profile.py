@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.cost_formulas import op_class
 from onnxpipe.cost_layout import ReorderRates, probe_model, probe_shape, reorder_rates
@@ -36,7 +36,7 @@ from onnxpipe.cost_trace import is_run, kernels, run_starts
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
-    CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, gradient_model, pretraining_rewrite,
+    CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, gradient_model, lift_initializers, pretraining_rewrite,
     quiet_stderr,
 )
 from onnxpipe.ortutil import session as ort_session
@@ -123,7 +123,7 @@ def profile_times(graph: Graph, *, runs: int = 5, warmup: int = 2, provider: str
         probe = _profile(probe_model(shape), {"x": np.ones(shape, np.float32)}, tmp, "probe", runs, warmup, provider, optimize=True) if shape else []
         reorder = reorder_rates(probe, warmup, 4 * int(np.prod(shape))) if probe else None
         training = _training_model(graph, model)
-        events = _profile(training, feeds, tmp, "backward", runs, warmup, provider) if training else []
+        events = _profile(training[0], {**feeds, **training[1]}, tmp, "backward", runs, warmup, provider) if training else []
         trained = own_names(trace_medians(events, warmup), forward) if events else {}
     backward = backward_by_forward(trained)
     # Training runs a node's forward in its training form (MaxPool also returning the indices its
@@ -346,13 +346,15 @@ def _shared(nodes: list[str], seconds: float, weights: Mapping[str, float]) -> d
     return {n: seconds * (weights.get(n, 0.0) / total if total > 0 else 1 / len(nodes)) for n in nodes}
 
 
-def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """The model plus a scalar loss and its gradient graph, None when onnxruntime cannot build one."""
+def _training_model(graph: Graph, model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
+    """The model plus a scalar loss and its gradient graph, and the weights it takes as inputs (fed when it runs);
+    None when onnxruntime cannot build one."""
     floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
-    used = {t for n in graph.compute_nodes for t in graph.node_inputs(n)}
-    # The gradients training makes: of trained weights, never of a model input (the trainer asks none; a first layer
-    # makes its weight gradient alone, as `cost._gradient_tensors` prices it).
-    wanted = {p for p in graph.trained if p in used}
+    # The gradients training makes: of every trained weight, those read only through a constant chain included (a
+    # dynamo LSTM reorders its gates with Slices of its weights: left out, its LSTMGrad lacked those gradients and
+    # onnxruntime crashed running it); never of a model input (the trainer asks none; a first layer makes its
+    # weight gradient alone, as `cost._gradient_tensors` prices it).
+    wanted = {t.name for t in model.graph.initializer} & set(graph.trained)
     if not floats or not wanted or model.ByteSize() >= _TWO_GB:
         return None
     lossy = for_gradient_builder(model)  # a copy, prepared as training prepares it
@@ -361,12 +363,14 @@ def _training_model(graph: Graph, model: onnx.ModelProto) -> onnx.ModelProto | N
         loss = floats[0]
     else:
         loss = _append_sum_loss(lossy.graph, floats)
+    fed: dict[str, np.ndarray] = {}
     try:
         if any(n.op_type in REWRITTEN_OPS for n in lossy.graph.node):
+            # as the trainer builds it: the weights lifted to graph inputs, so that onnxruntime's rewrites cannot fold or
+            # merge them (BatchNormalization's zero biases, a dynamo LSTM's gate-reordered weights), fed when it runs
+            fed = {name: numpy_helper.to_array(t) for name, t in lift_initializers(lossy.graph, sorted(wanted)).items()}
             lossy = onnx.load_from_string(pretraining_rewrite(lossy.SerializeToString(), wanted))
-            # The rewrites merge equal-valued initializers (BatchNormalization's zero biases, say): time the survivors.
-            wanted &= {t.name for t in lossy.graph.initializer} | {i.name for i in lossy.graph.input}
-        return gradient_model(lossy.SerializeToString(), loss, wanted)
+        return gradient_model(lossy.SerializeToString(), loss, wanted), fed
     except Exception:  # ops without gradients: fall back to the FLOP ratio
         return None
 

@@ -13,7 +13,7 @@ from onnxpipe.errors import OnnxpipeError
 
 __all__ = [
     "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "cuda_works", "gradient_model", "ort_reason",
-    "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "pretraining_rewrite", "state_inputs",
+    "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "lift_initializers", "pretraining_rewrite", "state_inputs",
     "MAX_IR_VERSION", "MAX_OPSET", "ensure_runtime_loads",
 ]
 
@@ -177,6 +177,25 @@ def complete_optional_outputs(graph) -> None:  # graph: onnx.GraphProto
 def state_inputs(graph) -> set[str]:  # graph: onnx.GraphProto
     """Tensors the graph's nodes read as state, not weights: never trained, never differentiated."""
     return {n.input[i] for n in graph.node for i in _STATE_INPUTS.get(n.op_type, ()) if i < len(n.input)}
+
+
+def lift_initializers(graph, names) -> dict:  # graph: onnx.GraphProto, names: Iterable[str] -> {name: onnx.TensorProto}
+    """The named initializers become graph inputs, in `names`' order; the tensors taken out. onnxruntime's rewrites
+    fold and merge initializers (a dynamo LSTM's gate reordering of its weights folds into new ones, cutting the
+    weights off the gradient); graph inputs they leave alone."""
+    from onnx import helper
+
+    names = list(dict.fromkeys(names))
+    lifted = {t.name: t for t in graph.initializer if t.name in set(names)}
+    keep = [t for t in graph.initializer if t.name not in lifted]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    for vi in [v for v in graph.input if v.name in lifted]:
+        graph.input.remove(vi)
+    for name in names:
+        if name in lifted:
+            graph.input.append(helper.make_tensor_value_info(name, lifted[name].data_type, list(lifted[name].dims)))
+    return lifted
 
 
 def pretraining_rewrite(model: bytes, trained: set[str]) -> bytes:

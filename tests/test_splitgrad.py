@@ -113,7 +113,7 @@ def test_no_gradient_of_a_model_input_is_made_or_priced(name: str) -> None:
     assert not {g for s in specs for g in s.graphs.grad_inputs} & set(graph.inputs)
     profiled = _training_model(graph, graph.model)
     assert profiled is not None
-    made = {o.name for o in profiled.graph.output}
+    made = {o.name for o in profiled[0].graph.output}
     assert any(o.endswith("_grad") for o in made) and not {f"{i}_grad" for i in graph.inputs} & made
     costs = annotate(graph)
     fed, computed = [], []

@@ -21,6 +21,9 @@ no gradient for InstanceNormalization (GroupNorm's export) and no CPU kernels fo
 ConvTranspose, which `onnxpipe.rewrites` writes out in ops that have them.
 The GRU fixture (an embedding, a two-layer bidirectional batch-first GRU, a linear head, an MSE loss; TorchScript
 exporter) likewise: onnxruntime-training has no GRU gradient, and `onnxpipe.recurrent` unrolls its steps.
+The LSTM fixture (an embedding, a two-layer batch-first LSTM, a linear head, an MSE loss; dynamo exporter, which
+reorders the gates of the weights it does not fold with Slices and feeds one zeros tensor as both initial states)
+likewise: the profiler left those weights out of its gradient graph, and onnxruntime crashed running it.
 The activations fixture (HardSwish and an SE block's HardSigmoid as in MobileNetV3, PReLU, PixelShuffle, ELU, SELU,
 CELU, Mish, Softplus, torch.amax and an adaptive max pool; an MSE loss) is exported by both exporters, into
 `torch_activations.onnx` (dynamo) and `torch_activations_ts.onnx` (TorchScript, opset 17), with one `.npz` / `.json`:
@@ -240,35 +243,43 @@ def export_unet() -> None:
 GRU_STEPS, GRU_BATCH, GRU_SEQ, GRU_LR = 3, 4, 6, 0.1
 
 
-class SmallGRU(nn.Module):
-    """Embedding -> two-layer bidirectional GRU (batch first) -> Linear, MSE against `target`."""
+class SmallRNN(nn.Module):
+    """Embedding -> a two-layer batch-first recurrent layer (`cell`, with its own width and direction) -> Linear,
+    MSE against `target`."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell: type[nn.Module], hidden: int, bidirectional: bool) -> None:
         super().__init__()
         self.embed = nn.Embedding(32, 8)
-        self.gru = nn.GRU(8, 6, num_layers=2, batch_first=True, bidirectional=True)
-        self.head = nn.Linear(12, 3)
+        self.rnn = cell(8, hidden, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), 3)
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out, _ = self.gru(self.embed(ids))
+        out, _ = self.rnn(self.embed(ids))
         return nn.functional.mse_loss(self.head(out), target)
 
 
-def export_gru() -> None:
-    """The GRU export (TorchScript, a symbolic batch), its training batches, and PyTorch's SGD losses on them."""
+def export_recurrent(name: str, cell: type[nn.Module], hidden: int, bidirectional: bool, dynamo: bool) -> None:
+    """A SmallRNN export (a symbolic batch), its training batches, and PyTorch's SGD losses on them."""
     import json
 
     import numpy as np
 
     torch.manual_seed(0)
-    model = SmallGRU().eval()
+    model = SmallRNN(cell, hidden, bidirectional).eval()
     ids, target = torch.randint(0, 32, (GRU_STEPS, GRU_BATCH, GRU_SEQ)), torch.randn(GRU_STEPS, GRU_BATCH, GRU_SEQ, 3)
-    torch.onnx.export(model, (ids[0], target[0]), str(OUT / "torch_gru.onnx"), dynamo=False, opset_version=17, input_names=["ids", "target"],
-                      output_names=["loss"], dynamic_axes={"ids": {0: "batch"}, "target": {0: "batch"}})
+    names = ["ids", "target"]
+    if dynamo:
+        batch = torch.export.Dim("batch")
+        program = torch.onnx.export(model, (ids[0], target[0]), dynamo=True, input_names=names, output_names=["loss"],
+                                    dynamic_shapes=({0: batch}, {0: batch}))
+        program.save(str(OUT / f"{name}.onnx"))
+    else:
+        torch.onnx.export(model, (ids[0], target[0]), str(OUT / f"{name}.onnx"), dynamo=False, opset_version=17, input_names=names,
+                          output_names=["loss"], dynamic_axes={n: {0: "batch"} for n in names})
     losses = _sgd_losses(model, [(ids[step], target[step]) for step in range(GRU_STEPS)], GRU_LR)
-    np.savez(OUT / "torch_gru.npz", ids=ids.numpy(), target=target.numpy())
+    np.savez(OUT / f"{name}.npz", ids=ids.numpy(), target=target.numpy())
     info = {"optimizer": "sgd", "lr": GRU_LR, "batch": GRU_BATCH, "steps": GRU_STEPS, "losses": losses, "torch": torch.__version__}
-    (OUT / "torch_gru.json").write_text(json.dumps(info, indent=1) + "\n")
+    (OUT / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 ACT_STEPS, ACT_BATCH, ACT_LR = 3, 4, 0.05
@@ -333,7 +344,8 @@ def main() -> None:
     export_gpt2()
     export_t5()
     export_unet()
-    export_gru()
+    export_recurrent("torch_gru", nn.GRU, 6, bidirectional=True, dynamo=False)
+    export_recurrent("torch_lstm", nn.LSTM, 48, bidirectional=False, dynamo=True)  # wide enough that the exporter keeps the Slices
     export_activations()
     for path in sorted(OUT.glob("torch_*")):
         print(path.name, path.stat().st_size)

@@ -1,7 +1,7 @@
 """Stage training graphs: one stage model becomes a forward and a backward onnxruntime model.
 
 Reading order: `StageGraphs` -> `build_stage_graphs` (public entry) -> preparation passes
-(`_separate_repeated_inputs`, `_lift_parameters`, `_add_total_loss`)
+(`_separate_repeated_inputs`, `ortutil.lift_initializers`, `_add_total_loss`)
 -> `for_gradient_builder` + `ensure_gradients` (onnxpipe.rewrites, onnxpipe.gradients) -> `_pretraining_rewrite` -> `_gradient_model` -> `_split` (forward part, backward part, stash).
 
 The trick: the stage's loss is its real loss (when it holds the model's loss) plus, for every
@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.gradients import ensure_gradients
 from onnxpipe.nodes import trained_initializers
-from onnxpipe.ortutil import REWRITTEN_OPS, cpu_session, gradient_model, ort_reason, pretraining_rewrite
+from onnxpipe.ortutil import REWRITTEN_OPS, cpu_session, gradient_model, lift_initializers, ort_reason, pretraining_rewrite
 from onnxpipe.rewrites import for_gradient_builder
 from onnxpipe.opset import training_opset
 
@@ -106,7 +106,7 @@ def build_stage_graphs(
     initial = {p: numpy_helper.to_array(inits[p]).copy() for p in params}
 
     _separate_repeated_inputs(work.graph, set(params) | set(grad_inputs))
-    _lift_parameters(work.graph, params)
+    lift_initializers(work.graph, params)  # the worker holds them as numpy arrays and feeds them
     forward_outputs = outputs + ((loss,) if loss else ())
 
     def forward_only() -> StageGraphs:
@@ -159,19 +159,6 @@ def _separate_repeated_inputs(graph: onnx.GraphProto, trained: set[str]) -> None
             seen.add(name)
     for i, node in reversed(extra):
         graph.node.insert(i, node)
-
-
-def _lift_parameters(graph: onnx.GraphProto, params: Sequence[str]) -> None:
-    """Parameters become graph inputs: the worker holds them as numpy arrays and feeds them."""
-    keep = [t for t in graph.initializer if t.name not in set(params)]
-    lifted = {t.name: t for t in graph.initializer if t.name in set(params)}
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    for vi in [v for v in graph.input if v.name in lifted]:
-        graph.input.remove(vi)
-    for p in params:
-        t = lifted[p]
-        graph.input.append(helper.make_tensor_value_info(p, t.data_type, list(t.dims)))
 
 
 def _add_total_loss(model: onnx.ModelProto, loss: str | None, grad_outputs: Sequence[str]) -> None:
