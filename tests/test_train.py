@@ -568,3 +568,26 @@ def test_workers_keep_freed_memory_for_the_next_micro_batch():
                 for how in ("default", "keep")}
     assert released["default"] >= 39 * 2**20
     assert released["keep"] < 2**20
+
+
+def test_a_diverging_run_stops_naming_the_step_and_the_way_out() -> None:
+    from onnxpipe.train.fit import data_source, fit
+    from onnxpipe.train.pipeline import Pipeline
+
+    with Pipeline(models.build("mlp", train=True), "cpu2", stages=2, microbatches=2, optimizer=OptimizerConfig("sgd", lr=1e30),
+                  processes=False) as pipe:
+        with pytest.raises(OnnxpipeError, match=r"^step [2-4]: the loss is (nan|inf), training diverged; lower --lr$"):
+            fit(pipe, data_source(pipe, "synthetic"), 4)
+
+
+def test_float16_weights_diverging_under_adamw_are_told_why() -> None:
+    """AdamW keeps its state in the weights' type, as torch.optim does: in float16 its eps (1e-8) is 0, and a weight
+    whose gradient is 0 (a dead ReLU's) gets 0/0."""
+    from onnxpipe.train.fit import data_source, fit
+    from onnxpipe.train.pipeline import Pipeline
+
+    with Pipeline(_float16_mlp(), "cpu2", stages=2, microbatches=2, optimizer=OptimizerConfig("adamw", lr=0.01), processes=False,
+                  loss=LossSpec("mse", "h2")) as pipe:
+        with pytest.raises(OnnxpipeError, match=r"^step 2: the loss is nan, training diverged; lower --lr, or train the float16 weights with "
+                                                r"--optimizer sgd \(AdamW's state is kept in float16, as in torch, where its eps 1e-8 is 0\)"):
+            fit(pipe, data_source(pipe, "synthetic"), 3)

@@ -10,6 +10,7 @@ import numpy as np
 
 from onnxpipe.train.checkpoint import hold_checkpoint_dir
 from onnxpipe import feeds
+from onnxpipe.errors import OnnxpipeError
 from onnxpipe.feeds import IndexRange
 from onnxpipe.train.data import BatchSource, SyntheticData, open_data
 from onnxpipe.train.loss import classes
@@ -45,11 +46,21 @@ def fit(pipeline: Pipeline, source: BatchSource, steps: int, *, checkpoint_dir: 
             pipeline.load(checkpoint_dir)
         while pipeline.step < steps:
             loss = pipeline.train_step(source.batch(pipeline.step))
+            if not np.isfinite(loss):
+                raise OnnxpipeError(f"step {pipeline.step}: the loss is {loss}, training diverged; lower --lr{_narrow_hint(pipeline)}")
             if on_step:
                 on_step(pipeline.step, loss)
             if checkpoint_dir and every and (pipeline.step % every == 0 or pipeline.step == steps):
                 pipeline.save(checkpoint_dir)
     return list(pipeline.losses)
+
+
+def _narrow_hint(pipeline: Pipeline) -> str:
+    """Why float16 weights diverge under AdamW, where they do: as in torch.optim, its state is kept in the weights'
+    type, where eps (1e-8) and small squared gradients are 0."""
+    if pipeline.config.optimizer.name != "adamw" or not any(v.dtype == np.float16 for v in pipeline.parameters().values()):
+        return ""
+    return ", or train the float16 weights with --optimizer sgd (AdamW's state is kept in float16, as in torch, where its eps 1e-8 is 0), or export the model in float32"
 
 
 def check(pipeline: Pipeline, source: BatchSource, steps: int) -> dict[str, float]:
