@@ -43,3 +43,21 @@ def test_loading_it_warns_of_nothing() -> None:
         warnings.simplefilter("always")
         load(DATA / "torch_t5.onnx", {"batch": REFERENCE["batch"]})
     assert [str(w.message) for w in caught] == []
+
+
+def test_the_exported_model_computes_pytorchs_next_loss(tmp_path) -> None:
+    """`Pipeline.export` after two steps: the exported model's loss on the third batch is PyTorch's third loss, so the
+    head the exporter wrote as a transposed copy of the embedding is exported as the trained embedding's transpose
+    (it kept its first values before, and the exported head was untrained)."""
+    from onnxpipe.ortutil import cpu_session
+    from onnxpipe.train.optimizer import OptimizerConfig
+    from onnxpipe.train.pipeline import Pipeline
+
+    batches = np.load(DATA / "torch_t5.npz")
+    with Pipeline(DATA / "torch_t5.onnx", "cpu4", stages=2, batch=REFERENCE["batch"], microbatches=2,
+                  optimizer=OptimizerConfig("sgd", lr=REFERENCE["lr"]), processes=False) as pipe:
+        for step in range(2):
+            pipe.train_step({name: batches[name][step] for name in batches.files})
+        pipe.export(tmp_path / "trained.onnx")
+    loss = cpu_session(str(tmp_path / "trained.onnx")).run(["loss"], {name: batches[name][2] for name in batches.files})[0]
+    assert float(loss) == pytest.approx(REFERENCE["losses"][2], rel=1e-6)  # 2.3e-5 off with the head untrained

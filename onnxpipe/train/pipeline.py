@@ -26,7 +26,7 @@ from onnxpipe.batching import BatchBinding, bind_batch, stage_dims
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import atomic_path
 from onnxpipe.gradients import ensure_gradients
-from onnxpipe.initializers import SharedInitializer, TieChoice, untie
+from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie
 from onnxpipe.manifest import Manifest
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.simulate import Event
@@ -274,12 +274,17 @@ class Pipeline:
         """The original model with its initializers replaced by the trained weights (atomic write).
 
         Initializers keep the model's names; an untied one is written as its separate copies (the
-        first reading module keeps the name, the others' copies are named after their modules)."""
+        first reading module keeps the name, the others' copies are named after their modules), and an exporter's
+        transposed copy that was tied back (`onnxpipe.initializers`) as the transpose of its trained original: it
+        was trained as one with it (before, it kept its first values, and an exported T5's head was untrained)."""
         trained = self.parameters()
-        model = untie(self._original("export"), self.manifest.untied)
+        original = self._original("export")
+        copies = {s.name: s.of for s in shared_initializers(original, self.ties) if s.kind == "copy" and not s.untied and s.of in trained}
+        model = untie(original, self.manifest.untied)
         for i, t in enumerate(model.graph.initializer):
-            if t.name in trained:
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[t.name].astype(numpy_helper.to_array(t).dtype), t.name))
+            value = trained.get(t.name, trained[copies[t.name]].T if t.name in copies else None)
+            if value is not None:
+                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value).astype(numpy_helper.to_array(t).dtype), t.name))
         path = Path(path)
         with atomic_path(path) as tmp:
             onnx.save(model, str(tmp))
