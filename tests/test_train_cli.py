@@ -89,3 +89,32 @@ def test_ctrl_c_stops_training_and_every_worker(tmp_path: Path, delay: float) ->
         time.sleep(0.1)
     assert live_processes(SESSION, proc.pid) == []
     assert not [p for p in Path("/dev/shm").glob("onnxpipe_*") if str(proc.pid) in p.name]
+
+
+def test_output_writes_the_trained_model(tmp_path: Path) -> None:
+    """`-o FILE.onnx`: the model as the user gave it with its trained weights; the exporter's constants it holds
+    (the GroupNorm export's ones and zeros) stay as they were, and the file runs in onnxruntime."""
+    from onnx import numpy_helper
+
+    from onnxpipe.ortutil import cpu_session
+
+    source = Path(__file__).parent / "data" / "torch_unet.onnx"
+    out = tmp_path / "trained.onnx"
+    run = subprocess.run([*CLI, "train", str(source), "--dim", "batch=4", "--stages", "2", "--steps", "2", "-o", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {out}" in " ".join(run.stdout.split())
+    before = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(source)).graph.initializer}
+    after = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    assert set(after) == set(before)
+    moved = {n for n in before if not np.array_equal(before[n], after[n])}
+    assert {"down1.0.weight", "transposed.weight", "head.bias", "val_21"} <= moved and not moved & {"val_8", "val_11", "val_32", "val_35", "val_48"}
+    feeds = {"x": np.ones((4, 3, 16, 16), np.float32), "target": np.zeros((4, 4, 16, 16), np.float32)}
+    assert np.isfinite(cpu_session(str(out)).run(["loss"], feeds)[0])
+
+
+def test_output_to_a_missing_folder_is_refused_before_training(tmp_path: Path) -> None:
+    run = subprocess.run([*CLI, "train", str(Path(__file__).parent / "data" / "torch_unet.onnx"), "--dim", "batch=4", "-o", str(tmp_path / "no" / "m.onnx")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.strip().endswith("its folder does not exist; pass the path of the .onnx file to write")
+    assert "training" not in run.stdout
