@@ -788,6 +788,9 @@ def train(
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),
                   shapes_by_running=shapes_by_running, backend=backend, address=address, device=device, bind_cores=bind_cores) as pipe:
         print_shared(pipe.shared)
+        for needs, purpose in ((output, "-o"), (do_check, "--check")):
+            if needs:
+                pipe.ensure_original(purpose)
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
         print_batch(pipe.binding or from_files, pipe.batch, microbatches)

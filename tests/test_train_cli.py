@@ -118,3 +118,20 @@ def test_output_to_a_missing_folder_is_refused_before_training(tmp_path: Path) -
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.strip().endswith("its folder does not exist; pass the path of the .onnx file to write")
     assert "training" not in run.stdout
+
+
+@pytest.mark.parametrize("flag", [["-o", "trained.onnx"], ["--check"]])
+def test_a_stage_directory_without_its_model_is_refused_before_training(tmp_path: Path, flag: list[str]) -> None:
+    """-o and --check need the model the stages were cut from: missing, the run stops before the first step (it
+    stopped after the last, the training lost)."""
+    import shutil
+
+    shutil.copy(Path(__file__).parent / "data" / "torch_gru.onnx", tmp_path / "m.onnx")
+    split = subprocess.run([*CLI, "split", "m.onnx", "--target", "cpu2", "--stages", "2", "--dim", "batch=4", "-o", "sd"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert split.returncode == 0, split.stderr
+    (tmp_path / "m.onnx").unlink()
+    run = subprocess.run([*CLI, "train", "sd", "--steps", "1", *flag], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip() == f"error: sd: {flag[0]} needs the original model 'm.onnx' beside the stages; pass the model instead of the directory"
+    assert "losses" not in run.stdout and not (tmp_path / "trained.onnx").exists()

@@ -297,12 +297,17 @@ class Pipeline:
         dims = self.dims if self.binding is not None else stage_dims(model, {i.name: i.shape for i in self.manifest.inputs})
         return LocalPipeline([prepare_single(load(model, dims, ties=self.ties, shapes_by_running=self.shapes_by_running).model, self.config, self.manifest.loss)])
 
+    def ensure_original(self, purpose: str) -> None:
+        """Fail now, before any step is trained, where `purpose` (-o, --check) will need the model the stages were cut
+        from and it is not beside them."""
+        if isinstance(self._model, Path) and not self._model.is_file():
+            raise OnnxpipeError(f"{self.directory}: {purpose} needs the original model {self.manifest.model!r} beside the stages; "
+                                "pass the model instead of the directory")
+
     def _original(self, purpose: str = "planning") -> onnx.ModelProto:
         """The model the stages were cut from (read when first needed)."""
         if isinstance(self._model, Path):
-            if not self._model.is_file():
-                raise OnnxpipeError(f"{self.directory}: {purpose} needs the original model {self.manifest.model!r} beside the stages; "
-                                    "pass the model instead of the directory")
+            self.ensure_original(purpose)
             try:
                 model = read_model(self._model)
                 load_weights(model, weights_dir(self._model))  # training reads every weight
