@@ -19,7 +19,8 @@ normalizations compute the same formula with other kernels (equal within float r
   (bodies use CastLike and broadcast Where).
 - InstanceNormalization (torch's GroupNorm and InstanceNorm export as it, by either exporter) -> ReduceMean, Sub,
   Mul, Add, Sqrt, Div and the per-channel scale and bias: onnxruntime-training 1.19.2 has no gradient for it.
-- Resize (nearest, linear, cubic; the last two axes) -> MatMul by constant interpolation matrices, and ConvTranspose
+- Resize (nearest, linear, cubic; the last two axes) -> MatMul by constant interpolation matrices (nearest at an integer
+  scale, each element repeated: Reshape, Expand, Reshape), and ConvTranspose
   (one or two spatial axes) -> MatMul by constant matrices that space and pad the input, then Conv with the weight
   transposed and flipped: onnxruntime-training 1.19.2 builds gradients for both but has CPU kernels for neither
   (ResizeGrad and ConvTransposeGrad exist for CUDA only), so a UNet's upsampling could not train. A Resize is linear
@@ -434,7 +435,7 @@ def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: in
     attrs = _attributes(node)
     dtype = _float_input(node, types)
     x_shape, y_shape = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
-    if (dtype is None or x_shape is None or y_shape is None or opset < 11
+    if (dtype is None or x_shape is None or y_shape is None or opset < 11 or len(x_shape) < 2
             or attrs.get("coordinate_transformation_mode") == b"tf_crop_and_resize" or "axes" in attrs):
         return None
     scales_name = node.input[2] if len(node.input) > 2 else ""
@@ -452,7 +453,27 @@ def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: in
     matrices = {a: _resize_matrix(node, opset, x_shape[a], None if scales is None else float(scales[a]), y_shape[a]) for a in changed}
     if any(m is None for m in matrices.values()):
         return None
+    if all(_repeats(m) for m in matrices.values()):  # nearest at an integer scale: each element repeated, no MatMul needed
+        return "Resize -> Expand of each element", _repeated(graph, node, x_shape, y_shape, _base(node, "resize"))
     return "Resize -> MatMul by interpolation matrices", _axis_matmuls(graph, node.input[0], matrices, rank, _base(node, "resize"), node.output[0], dtype)  # type: ignore[arg-type]
+
+
+def _repeats(matrix: np.ndarray) -> bool:
+    """Whether the [new, old] matrix repeats each element `new / old` times in place (nearest upsampling by an integer)."""
+    new, old = matrix.shape
+    return new % old == 0 and np.array_equal(matrix, np.kron(np.eye(old, dtype=matrix.dtype), np.ones((new // old, 1), matrix.dtype)))
+
+
+def _repeated(graph: onnx.GraphProto, node: onnx.NodeProto, x_shape: tuple[int, ...], y_shape: tuple[int, ...], b: str) -> list[onnx.NodeProto]:
+    """Each element repeated along the last two axes: x [..., H, W] -> [..., H, 1, W, 1] -> Expand -> Reshape (Expand's
+    gradient sums the repeats back)."""
+    lead, (h, w), (nh, nw) = list(x_shape[:-2]), x_shape[-2:], y_shape[-2:]
+    graph.initializer.extend([numpy_helper.from_array(np.array([*lead, h, 1, w, 1], np.int64), f"{b}/split"),
+                              numpy_helper.from_array(np.array([*lead, h, nh // h, w, nw // w], np.int64), f"{b}/repeated"),
+                              numpy_helper.from_array(np.array(y_shape, np.int64), f"{b}/out")])
+    return [helper.make_node("Reshape", [node.input[0], f"{b}/split"], [f"{b}/cells"], name=f"{b}/cells"),
+            helper.make_node("Expand", [f"{b}/cells", f"{b}/repeated"], [f"{b}/filled"], name=f"{b}/filled"),
+            helper.make_node("Reshape", [f"{b}/filled", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/joined")]
 
 
 def _spacing(length: int, stride: int, dilation: int, kernel: int, pad_begin: int, pad_end: int, extra: int) -> np.ndarray:

@@ -329,27 +329,32 @@ def _assert_rewritten_like_the_op(model: onnx.ModelProto, pattern: str | list[st
             assert grad.flat[flat] == pytest.approx((values[0] - values[1]) / (2 * step), rel=1e-3, abs=1e-3 if step == 1.0 else 2e-2), (name, flat)  # float32 rounding over a small step
 
 
-RESIZES = [  # (attributes, x shape, scales or None, sizes or None)
-    ({"mode": "nearest"}, [1, 2, 3, 4], [1, 1, 2, 2], None),
-    ({"mode": "linear"}, [1, 2, 3, 4], [1, 1, 2, 2], None),
-    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [2, 1, 4, 3], None, [2, 1, 7, 5]),
-    ({"mode": "cubic", "coordinate_transformation_mode": "asymmetric"}, [1, 2, 3, 5], [1, 1, 1, 1.5], None),
-    ({"mode": "nearest", "nearest_mode": "floor", "coordinate_transformation_mode": "asymmetric"}, [1, 1, 4, 6], [1, 1, 0.5, 1.5], None),
+RESIZES = [  # (attributes, x shape, scales or None, sizes or None, what it becomes)
+    ({"mode": "nearest"}, [1, 2, 3, 4], [1, 1, 2, 2], None, "Resize -> Expand of each element"),
+    ({"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, [2, 3, 4], [1, 1, 3], None,
+     "Resize -> Expand of each element"),
+    ({"mode": "linear"}, [1, 2, 3, 4], [1, 1, 2, 2], None, "Resize -> MatMul by interpolation matrices"),
+    ({"mode": "linear", "coordinate_transformation_mode": "align_corners"}, [2, 1, 4, 3], None, [2, 1, 7, 5], "Resize -> MatMul by interpolation matrices"),
+    ({"mode": "cubic", "coordinate_transformation_mode": "asymmetric"}, [1, 2, 3, 5], [1, 1, 1, 1.5], None, "Resize -> MatMul by interpolation matrices"),
+    ({"mode": "nearest", "nearest_mode": "floor", "coordinate_transformation_mode": "asymmetric"}, [1, 1, 4, 6], [1, 1, 0.5, 1.5], None,
+     "Resize -> MatMul by interpolation matrices"),
 ]
 
 
-@pytest.mark.parametrize("attrs,x_shape,scales,sizes", RESIZES, ids=[f"{a['mode']}-{i}" for i, (a, *_rest) in enumerate(RESIZES)])
-def test_resize_trains_as_matmuls_by_its_own_interpolation(attrs: dict, x_shape: list[int], scales: list[float] | None, sizes: list[int] | None) -> None:
+@pytest.mark.parametrize("attrs,x_shape,scales,sizes,pattern", RESIZES, ids=[f"{a['mode']}-{i}" for i, (a, *_rest) in enumerate(RESIZES)])
+def test_resize_trains_as_matmuls_by_its_own_interpolation(attrs: dict, x_shape: list[int], scales: list[float] | None, sizes: list[int] | None,
+                                                          pattern: str) -> None:
     """onnxruntime-training builds ResizeGrad, but its kernel is CUDA's alone: a model that upsamples could not load
     its gradient graph on the CPU. Resize is linear and acts on each axis alone: MatMuls by the matrices onnxruntime's
-    own Resize makes of the identity compute the same values and train."""
+    own Resize makes of the identity compute the same values and train; where those matrices repeat each element
+    (nearest at an integer scale) an Expand does it."""
     inits = [numpy_helper.from_array(np.array(scales, np.float32), "scales")] if scales else []
     inits += [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")] if sizes else []
     y_shape = sizes or [int(np.floor(d * s)) for d, s in zip(x_shape, scales or [])]
     node = helper.make_node("Resize", ["scaled", "", "scales" if scales else "", "sizes" if sizes else ""], ["y"], name="resize", **attrs)
     model = _linear_op_model(node, x_shape, inits, y_shape)
     assert missing_gradients(model) == ()
-    _assert_rewritten_like_the_op(model, "Resize -> MatMul by interpolation matrices", ("w",), exact=attrs["mode"] == "nearest")
+    _assert_rewritten_like_the_op(model, pattern, ("w",), exact=attrs["mode"] == "nearest")
 
 
 CONV_TRANSPOSES = [  # (attributes, x shape, weight shape, bias)

@@ -34,4 +34,4 @@ def test_inspect_says_what_training_writes_out() -> None:
     assert run.returncode == 0, run.stderr
     said = " ".join(run.stdout.split())
     assert ("written out for training (the stage files keep them): InstanceNormalization -> ReduceMean, Sub, Mul, Sqrt, Div x2, "
-            "Resize -> MatMul by interpolation matrices x2, ConvTranspose -> MatMul by spacing matrices, Conv x1") in said
+            "Resize -> MatMul by interpolation matrices x1, Resize -> Expand of each element x1, ConvTranspose -> MatMul by spacing matrices, Conv x1") in said

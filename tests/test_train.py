@@ -580,6 +580,7 @@ def test_a_diverging_run_stops_naming_the_step_and_the_way_out() -> None:
             fit(pipe, data_source(pipe, "synthetic"), 4)
 
 
+@pytest.mark.filterwarnings("ignore:.*encountered in divide:RuntimeWarning")  # the 0/0 the test is about
 def test_float16_weights_diverging_under_adamw_are_told_why() -> None:
     """AdamW keeps its state in the weights' type, as torch.optim does: in float16 its eps (1e-8) is 0, and a weight
     whose gradient is 0 (a dead ReLU's) gets 0/0."""
