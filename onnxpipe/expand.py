@@ -46,7 +46,10 @@ def body(node: onnx.NodeProto, opset: int, types: list[onnx.TypeProto]) -> tuple
     versions = sorted(schema.function_opset_versions)
     candidates += [(v, schema.get_function_with_opset_version(v)) for v in versions]
     for v in sorted(schema.context_dependent_function_opset_versions):
-        made = schema.get_context_dependent_function_with_opset_version(v, node.SerializeToString(), [t.SerializeToString() for t in types])
+        try:
+            made = schema.get_context_dependent_function_with_opset_version(v, node.SerializeToString(), [t.SerializeToString() for t in types])
+        except Exception:  # onnx's builder refuses inputs whose type it cannot read: no body then
+            continue
         if made:
             candidates.append((v, made))
     earlier = sorted(((v, b) for v, b in candidates if v <= opset), reverse=True)
