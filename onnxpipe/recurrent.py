@@ -30,10 +30,12 @@ UNROLLED_OPS = frozenset(_ACTIVATIONS)
 class _Builder:
     """Appends nodes and constant initializers under one name prefix."""
 
-    def __init__(self, graph: onnx.GraphProto, prefix: str, dtype: np.dtype, opset: int) -> None:
-        self.graph, self.prefix, self.dtype, self.opset = graph, prefix, dtype, opset
+    def __init__(self, graph: onnx.GraphProto, prefix: str, dtype: np.dtype, opset: int, hidden: int) -> None:
+        self.graph, self.prefix, self.dtype, self.opset, self.hidden = graph, prefix, dtype, opset, hidden
         self.nodes: list[onnx.NodeProto] = []
         self.count = 0
+        #: The constant 1 a GRU step subtracts its gate from (made once, by `unrolled`).
+        self.one = ""
 
     def _name(self) -> str:
         self.count += 1
@@ -68,11 +70,10 @@ class _Builder:
         return names
 
 
-def _gru_step(b: _Builder, x_proj: str, h: str, r_t: str, r_bias: str | None, hidden: int, before_reset: bool) -> str:
-    """One GRU step. x_proj [batch, 3H]: X_t W^T + Wb; r_t [H, 3H]: R^T; r_bias [3H]: Rb."""
-    xz, xr, xh = b.split(x_proj, [hidden] * 3)
-    rz, rr, rh = b.split(r_t, [hidden] * 3)
-    bz, br, bh = b.split(r_bias, [hidden] * 3) if r_bias else (None, None, None)
+def _gru_step(b: _Builder, x_proj: str, h: str, blocks: list[str], biases: list[str | None], before_reset: bool) -> str:
+    """One GRU step. x_proj [batch, 3H]: X_t W^T + Wb; blocks: R^T's [H, H] blocks and biases Rb's parts, gates z, r, h."""
+    xz, xr, xh = b.split(x_proj, [b.hidden] * 3)
+    (rz, rr, rh), (bz, br, bh) = blocks, biases
 
     def recurrent(block: str, bias: str | None, state: str) -> str:
         out = b.op("MatMul", [state, block])
@@ -84,14 +85,14 @@ def _gru_step(b: _Builder, x_proj: str, h: str, r_t: str, r_bias: str | None, hi
         candidate = b.op("Tanh", [b.op("Add", [xh, b.op("Mul", [r, recurrent(rh, bh, h)])])])
     else:
         candidate = b.op("Tanh", [b.op("Add", [xh, recurrent(rh, bh, b.op("Mul", [r, h]))])])
-    keep = b.op("Sub", [b.const(np.array(1, b.dtype)), z])
+    keep = b.op("Sub", [b.one, z])
     return b.op("Add", [b.op("Mul", [keep, candidate]), b.op("Mul", [z, h])])
 
 
-def _rnn_step(b: _Builder, x_proj: str, h: str, r_t: str, r_bias: str | None, hidden: int, before_reset: bool) -> str:
+def _rnn_step(b: _Builder, x_proj: str, h: str, blocks: list[str], biases: list[str | None], before_reset: bool) -> str:
     """One RNN step: Tanh(X_t W^T + Wb + H R^T + Rb)."""
-    out = b.op("MatMul", [h, r_t])
-    return b.op("Tanh", [b.op("Add", [x_proj, b.op("Add", [out, r_bias]) if r_bias else out])])
+    out = b.op("MatMul", [h, blocks[0]])
+    return b.op("Tanh", [b.op("Add", [x_proj, b.op("Add", [out, biases[0]]) if biases[0] else out])])
 
 
 def unrolled(node: onnx.NodeProto, graph: onnx.GraphProto, x_shape: tuple[int, ...] | None, dtype: np.dtype, opset: int,
@@ -113,8 +114,10 @@ def unrolled(node: onnx.NodeProto, graph: onnx.GraphProto, x_shape: tuple[int, .
         return None
     layout, hidden = int(attrs.get("layout", 0)), int(attrs["hidden_size"])
     steps, batch = (x_shape[1], x_shape[0]) if layout else (x_shape[0], x_shape[1])
-    b = _Builder(graph, prefix, dtype, opset)
+    b = _Builder(graph, prefix, dtype, opset, hidden)
     step = _gru_step if node.op_type == "GRU" else _rnn_step
+    if node.op_type == "GRU":
+        b.one = b.const(np.array(1, dtype))
     gates = 3 if node.op_type == "GRU" else 1
     seq = b.op("Transpose", [x], perm=[1, 0, 2]) if layout else x
     ys, finals = [], []
@@ -122,15 +125,17 @@ def unrolled(node: onnx.NodeProto, graph: onnx.GraphProto, x_shape: tuple[int, .
         w_t = b.op("Transpose", [b.pick(w, d)], perm=[1, 0])
         r_t = b.op("Transpose", [b.pick(r, d)], perm=[1, 0])
         projected = b.op("MatMul", [seq, w_t])
-        r_bias = None
+        blocks = b.split(r_t, [hidden] * gates) if gates > 1 else [r_t]  # once per direction, not per step
+        biases: list[str | None] = [None] * gates
         if bias:
             w_bias, r_bias = b.split(b.pick(bias, d), [gates * hidden] * 2)
             projected = b.op("Add", [projected, w_bias])
+            biases = list(b.split(r_bias, [hidden] * gates)) if gates > 1 else [r_bias]
         h = b.pick(initial, d, axis=1 if layout else 0) if initial else b.const(np.zeros((batch, hidden), dtype))
         states: dict[int, str] = {}
         reverse = direction == "reverse" or d == 1
         for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-            h = step(b, b.pick(projected, t), h, r_t, r_bias, hidden, bool(attrs.get("linear_before_reset", 0)))
+            h = step(b, b.pick(projected, t), h, blocks, biases, bool(attrs.get("linear_before_reset", 0)))
             states[t] = h
         ys.append(b.op("Concat", [b.unsqueeze(states[t], 0) for t in range(steps)], axis=0))
         finals.append(h)
