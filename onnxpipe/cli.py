@@ -746,7 +746,7 @@ def train(
     dim: list[str] = typer.Option(None, "--dim", help="Bind a symbolic dim NAME=VALUE, repeatable."),
     seed: int = typer.Option(0, "--seed", help="Seed of synthetic data."),
     report_path: str = typer.Option(None, "--report", help="Write FILE.html: the measured timeline of the last step beside the simulated one."),
-    output: str = typer.Option(None, "--output", "-o", help="Write the trained model to FILE.onnx: the model with its trained weights (written whole or not at all)."),
+    trained_path: str = typer.Option(None, "--output", "-o", help="Write the trained model to FILE.onnx: the model with its trained weights (written whole or not at all)."),
     tie: list[str] = typer.Option(None, "--tie", help=_TIE_HELP),
     untie: list[str] = typer.Option(None, "--untie", help=_UNTIE_HELP),
     shapes_by_running: bool = typer.Option(False, "--shapes-by-running", help="Learn shapes static inference cannot find by running the model once on zeros (needs its full memory)."),
@@ -780,15 +780,16 @@ def train(
         raise OnnxpipeError("--resume needs --checkpoint-dir DIR")
     if checkpoint_dir:
         ensure_checkpoint_dir(checkpoint_dir)  # before any worker starts
-    if output and (Path(output).is_dir() or not Path(output).absolute().parent.is_dir()):
-        raise OnnxpipeError(f"-o {output}: {'a directory' if Path(output).is_dir() else 'its folder does not exist'}; pass the path of the .onnx file to write")
+    if trained_path and (Path(trained_path).is_dir() or not Path(trained_path).absolute().parent.is_dir()):
+        raise OnnxpipeError(f"-o {trained_path}: {'a directory' if Path(trained_path).is_dir() else 'its folder does not exist'}; "
+                            "pass the path of the .onnx file to write")
     opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
     from_files = directory_binding(model, parse_dims(dim)) if Path(model).is_dir() else None  # --dim checked before any worker starts
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),
                   shapes_by_running=shapes_by_running, backend=backend, address=address, device=device, bind_cores=bind_cores) as pipe:
         print_shared(pipe.shared)
-        for needs, purpose in ((output, "-o"), (do_check, "--check")):
+        for needs, purpose in ((trained_path, "-o"), (do_check, "--check")):
             if needs:
                 pipe.ensure_original(purpose)
         if batch is not None and batch != pipe.batch:
@@ -825,9 +826,9 @@ def train(
             metrics["check"] = result
             console.print(f"check against the unpartitioned model: max loss difference {result['max_loss_rel_diff']:.2e} (relative), "
                           f"max weight difference {result['max_weight_abs_diff']:.2e}", highlight=False)
-        if output:
-            pipe.export(output)
-            console.print(f"wrote {escape(output)} (the model with its trained weights)", highlight=False)
+        if trained_path:
+            pipe.export(trained_path)
+            console.print(f"wrote {escape(trained_path)} (the model with its trained weights)", highlight=False)
         if json_path:
             write_json(json_path, metrics)
             console.print(f"wrote {escape(json_path)}", highlight=False)

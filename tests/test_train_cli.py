@@ -135,3 +135,15 @@ def test_a_stage_directory_without_its_model_is_refused_before_training(tmp_path
     assert run.returncode == 2
     assert run.stderr.strip() == f"error: sd: {flag[0]} needs the original model 'm.onnx' beside the stages; pass the model instead of the directory"
     assert "losses" not in run.stdout and not (tmp_path / "trained.onnx").exists()
+
+
+def test_without_output_nothing_is_written(tmp_path: Path) -> None:
+    """--labels OUTPUT=LABELS names a model output: no file of that name (or any) is written where the run is."""
+    model = tmp_path / "m.onnx"
+    onnx.save(models.build("mlp", train=False), str(model))
+    out = onnx.load(str(model)).graph.output[0].name
+    before = set(os.listdir(tmp_path))
+    run = subprocess.run([*CLI, "train", "m.onnx", "--stages", "2", "--steps", "1", "--loss", "mse", "--labels", f"{out}=y"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert set(os.listdir(tmp_path)) == before and "wrote" not in run.stdout
