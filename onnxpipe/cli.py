@@ -792,6 +792,8 @@ def train(
         for needs, purpose in ((trained_path, "-o"), (do_check, "--check")):
             if needs:
                 pipe.ensure_original(purpose)
+        if do_check:
+            pipe.ensure_checkable()
         if batch is not None and batch != pipe.batch:
             raise OnnxpipeError(f"--batch {batch}: the stages take {plural(microbatches, 'micro-batch')} of {pipe.batch // microbatches}; pass --batch {pipe.batch}")
         print_batch(pipe.binding or from_files, pipe.batch, microbatches)

@@ -8,17 +8,32 @@ import math
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from onnxpipe.ortutil import state_inputs
 
-__all__ = ["subgraph_captures", "has_subgraph", "is_weight", "trained_initializers", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
+__all__ = ["subgraph_captures", "has_subgraph", "draws_random", "is_weight", "trained_initializers", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
 #: Ops that make a model quantized; clean-up never folds them (a quantized model's stages keep its quantization).
 QUANTIZATION_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger",
                               "MatMulInteger"})
+
+
+def draws_random(graph: onnx.GraphProto) -> tuple[str, ...]:
+    """The nodes whose outputs are drawn anew on every run: the random ops, and Dropout in training mode (a model
+    exported with torch.onnx.TrainingMode.TRAINING: its training_mode input is not a constant False)."""
+    constants = {t.name: t for t in graph.initializer}
+    constants.update({n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+
+    def training(node: onnx.NodeProto) -> bool:
+        if len(node.input) < 3 or not node.input[2]:
+            return False
+        flag = constants.get(node.input[2])
+        return flag is None or bool(numpy_helper.to_array(flag).any())
+
+    return tuple(n.name or n.op_type for n in graph.node if n.op_type in RANDOM_OPS or (n.op_type == "Dropout" and training(n)))
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:

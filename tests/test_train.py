@@ -592,3 +592,47 @@ def test_float16_weights_diverging_under_adamw_are_told_why() -> None:
         with pytest.raises(OnnxpipeError, match=r"^step 2: the loss is nan, training diverged; lower --lr, or train the float16 weights with "
                                                 r"--optimizer sgd \(AdamW's state is kept in float16, as in torch, where its eps 1e-8 is 0\)"):
             fit(pipe, data_source(pipe, "synthetic"), 3)
+
+
+def _dropout_mlp(training: bool | None) -> onnx.ModelProto:
+    """x -> MatMul -> Dropout(0.5; training_mode constant `training`, absent for None) -> MatMul -> y."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w0"),
+             numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w1"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "ratio")]
+    drop_inputs = ["h", "ratio"]
+    if training is not None:
+        inits.append(numpy_helper.from_array(np.array(training), "training"))
+        drop_inputs.append("training")
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="mm0"), helper.make_node("Dropout", drop_inputs, ["d"], name="drop"),
+             helper.make_node("MatMul", ["d", "w1"], ["y"], name="mm1")]
+    graph = helper.make_graph(nodes, "dropout", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_dropout_in_training_mode_is_found_to_draw_random_numbers() -> None:
+    from onnxpipe.nodes import draws_random
+
+    assert [draws_random(_dropout_mlp(t).graph) for t in (True, False, None)] == [("drop",), (), ()]
+
+
+def test_a_stage_that_draws_random_numbers_is_never_recomputed() -> None:
+    """Recomputing its forward in the backward would draw other masks than the ones its loss came from: with
+    --recompute auto such a stage keeps its stash whatever the plan said, with always it is refused."""
+    import dataclasses
+
+    graph = load(_dropout_mlp(True))
+    plan = even_plan(graph, 2)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=True) for s in plan.stages))
+    manifest = split(graph, plan, _TMP / "dropout-2", force=True)
+    config = TrainConfig(microbatches=2, loss=LossSpec("mse", "y"))
+    specs = prepare_stages(_TMP / "dropout-2", manifest, config)
+    drops = [s for s in specs if "Dropout" in {n.op_type for n in onnx.load_from_string(s.graphs.forward).graph.node}]
+    assert len(drops) == 1 and not drops[0].graphs.recompute
+    assert "Dropout" not in {n.op_type for n in onnx.load_from_string(drops[0].graphs.backward).graph.node}
+    assert [s.graphs.recompute for s in specs if s not in drops] == [True]  # the other stage recomputes as planned
+    with pytest.raises(OnnxpipeError, match=r"^stage \d draws random numbers \(drop: .*use --recompute auto or never$"):
+        prepare_stages(_TMP / "dropout-2", manifest, dataclasses.replace(config, recompute="always"))

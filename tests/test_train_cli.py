@@ -147,3 +147,14 @@ def test_without_output_nothing_is_written(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert set(os.listdir(tmp_path)) == before and "wrote" not in run.stdout
+
+
+def test_check_of_a_model_that_draws_random_numbers_is_refused_before_training(tmp_path: Path) -> None:
+    from test_train import _dropout_mlp
+
+    onnx.save(_dropout_mlp(True), str(tmp_path / "m.onnx"))
+    run = subprocess.run([*CLI, "train", "m.onnx", "--stages", "2", "--steps", "1", "--loss", "mse", "--labels", "y=labels", "--check"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 2 and "losses" not in run.stdout
+    assert run.stderr.strip() == ("error: --check: the model draws random numbers (drop: Dropout in training mode or a random op), so the "
+                                  "pipelined and the unpartitioned runs cannot agree; export it in eval mode to check it, or train without --check")

@@ -28,6 +28,7 @@ from onnxpipe.fileio import atomic_path
 from onnxpipe.gradients import ensure_gradients
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie
 from onnxpipe.manifest import Manifest
+from onnxpipe.nodes import draws_random
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.simulate import Event
 from onnxpipe.target import BACKENDS, load_target
@@ -296,6 +297,14 @@ class Pipeline:
         model = self._original("--check")
         dims = self.dims if self.binding is not None else stage_dims(model, {i.name: i.shape for i in self.manifest.inputs})
         return LocalPipeline([prepare_single(load(model, dims, ties=self.ties, shapes_by_running=self.shapes_by_running).model, self.config, self.manifest.loss)])
+
+    def ensure_checkable(self) -> None:
+        """--check trains the unpartitioned model on the same batches and compares: a model that draws random numbers
+        (Dropout exported in training mode) draws other masks in the two runs, which then cannot agree."""
+        random = [n for st in self.manifest.stages for n in draws_random(onnx.load(str(self.directory / st.file), load_external_data=False).graph)]
+        if random:
+            raise OnnxpipeError(f"--check: the model draws random numbers ({', '.join(random[:3])}: Dropout in training mode or a random op), "
+                                "so the pipelined and the unpartitioned runs cannot agree; export it in eval mode to check it, or train without --check")
 
     def ensure_original(self, purpose: str) -> None:
         """Fail now, before any step is trained, where `purpose` (-o, --check) will need the model the stages were cut
