@@ -227,10 +227,13 @@ def test_killed_actor_fails_within_10s_and_resume_continues(cluster: object, tmp
     message = str(failure.value)
     assert "\n" not in message and re.match(r"stage 1 \(stage_1\.onnx\) failed", message) and "host 127.0.0.1" in message, message
     assert took < 10, took
-    deadline = time.monotonic() + 10  # Ray ends killed actors' processes asynchronously
-    while _alive(pids) and time.monotonic() < deadline:
+    # The failure ends every other actor (Ray ends their processes asynchronously). The one the test killed is the
+    # kernel's to tear down: under load a SIGKILLed process was seen still exiting 10 s later, with Ray reporting it dead.
+    survivors = [p for i, p in enumerate(pids) if i != 1]
+    deadline = time.monotonic() + 10
+    while _alive(survivors) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pids)
+    assert not _alive(survivors)
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
     with pipeline("ray") as again:
         resumed = fit(again, data_source(again, "synthetic", seed=3), 6, checkpoint_dir=str(tmp_path / "ck"), every=1, resume=True)
