@@ -17,9 +17,10 @@ import math
 from collections.abc import Sequence
 from string import ascii_letters
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
+
+from onnxpipe.nodebuilder import NodeBuilder
 
 __all__ = ["lowered"]
 
@@ -46,20 +47,7 @@ def _parse(equation: str, ranks: Sequence[int]) -> tuple[list[str], str] | None:
     return operands, rhs
 
 
-class _Builder:
-    def __init__(self, graph: onnx.GraphProto, prefix: str, opset: int) -> None:
-        self.graph, self.prefix, self.opset, self.nodes = graph, prefix, opset, []
-
-    def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: object) -> str:
-        name = out or f"{self.prefix}/{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, inputs, [name], name=f"{self.prefix}/{op_type}{len(self.nodes)}", **attrs))
-        return name
-
-    def ints(self, values: Sequence[int]) -> str:
-        name = f"{self.prefix}/c{len(self.graph.initializer)}_{len(self.nodes)}"
-        self.graph.initializer.append(numpy_helper.from_array(np.array(list(values), np.int64), name))
-        return name
-
+class _Builder(NodeBuilder):
     def transpose(self, x: str, letters: str, order: str, out: str | None = None) -> str:
         if letters == order and out is None:
             return x

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
+
+from onnxpipe.nodebuilder import NodeBuilder
 
 __all__ = ["unrolled", "UNROLLED_OPS"]
 
@@ -27,29 +29,14 @@ _ACTIVATIONS = {"GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
 UNROLLED_OPS = frozenset(_ACTIVATIONS)
 
 
-class _Builder:
-    """Appends nodes and constant initializers under one name prefix."""
+class _Builder(NodeBuilder):
+    """A builder that knows the step's float type and hidden size."""
 
     def __init__(self, graph: onnx.GraphProto, prefix: str, dtype: np.dtype, opset: int, hidden: int) -> None:
-        self.graph, self.prefix, self.dtype, self.opset, self.hidden = graph, prefix, dtype, opset, hidden
-        self.nodes: list[onnx.NodeProto] = []
-        self.count = 0
+        super().__init__(graph, prefix, opset)
+        self.dtype, self.hidden = dtype, hidden
         #: The constant 1 a GRU step subtracts its gate from (made once, by `unrolled`).
         self.one = ""
-
-    def _name(self) -> str:
-        self.count += 1
-        return f"{self.prefix}/{self.count}"
-
-    def const(self, value: np.ndarray) -> str:
-        name = self._name()
-        self.graph.initializer.append(numpy_helper.from_array(value, name))
-        return name
-
-    def op(self, op_type: str, inputs: Sequence[str], out: str | None = None, **attrs: object) -> str:
-        name = out or self._name()
-        self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=f"{self.prefix}/{op_type}{self.count}_{len(self.nodes)}", **attrs))
-        return name
 
     def unsqueeze(self, x: str, axis: int, out: str | None = None) -> str:
         if self.opset >= 13:
@@ -62,7 +49,7 @@ class _Builder:
 
     def split(self, x: str, sizes: list[int]) -> list[str]:
         """Equal or given parts along the last axis."""
-        names = [self._name() for _ in sizes]
+        names = [self.name() for _ in sizes]
         if self.opset >= 13:
             self.nodes.append(helper.make_node("Split", [x, self.const(np.array(sizes, np.int64))], names, name=f"{names[0]}/split", axis=-1))
         else:

@@ -47,6 +47,7 @@ then `_function_bodies`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -286,9 +287,10 @@ def _replace(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], replaced: Mapp
     graph.node.extend(new)
 
 
-#: A rewrite of one node: (node, the model's types, its opset, the graph its constants go into) -> (pattern, the
-#: nodes computing the node's outputs), or None where the node is left as it is.
-NodeRewrite = Callable[[onnx.NodeProto, Mapping[str, onnx.TypeProto], int, onnx.GraphProto], "tuple[str, list[onnx.NodeProto]] | None"]
+#: A rewrite of one node: (node, the model's types, its opset, the graph its constants go into, the graph's small
+#: constants' values) -> (pattern, the nodes computing the node's outputs), or None where the node is left as it is.
+NodeRewrite = Callable[[onnx.NodeProto, Mapping[str, onnx.TypeProto], int, onnx.GraphProto, Mapping[str, np.ndarray]],
+                       "tuple[str, list[onnx.NodeProto]] | None"]
 
 
 #: Rounds of rewrites at most: a body may call another function op (HardSwish -> HardSigmoid), itself expanded next round.
@@ -324,13 +326,13 @@ def _each_node(model: onnx.ModelProto, ops: frozenset[str], rewrite: NodeRewrite
     graph = model.graph
     if not any(n.op_type in ops and n.domain in ("", "ai.onnx") for n in graph.node):
         return []
-    types, opset = tensor_types(model), _opset(model)
+    types, opset, consts = tensor_types(model), _opset(model), _constants(graph)
     done: list[Rewrite] = []
     replaced: dict[int, list[onnx.NodeProto]] = {}
     nodes = list(graph.node)
     for at, node in enumerate(nodes):
         if node.op_type in ops and node.domain in ("", "ai.onnx"):
-            made = rewrite(node, types, opset, graph)
+            made = rewrite(node, types, opset, graph, consts)
             if made is not None:
                 pattern, replaced[at] = made
                 done.append(Rewrite(pattern, node.name))
@@ -368,7 +370,8 @@ def _reduce_mean(opset: int, graph: onnx.GraphProto, x: str, axes: list[int], ou
     return helper.make_node("ReduceMean", [x, f"{out}/axes"], [out], name=out, keepdims=1)
 
 
-def _instance_norm(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _instance_norm(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                   consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     dtype, shape = _float_input(node, types), _shape(types, node.input[0])
     if dtype is None or shape is None:
         return None
@@ -412,15 +415,22 @@ def _axis_matmuls(graph: onnx.GraphProto, x: str, matrices: Mapping[int, np.ndar
 
 
 def _resize_matrix(node: onnx.NodeProto, opset: int, length: int, scale: float | None, new: int) -> np.ndarray | None:
-    """The [new, length] matrix one axis of the Resize applies: onnxruntime's Resize of the identity (axis 0 holds
-    the basis vectors at scale 1, axis 1 is resized), transposed."""
-    attrs = [a for a in node.attribute if a.name not in ("axes", "keep_aspect_ratio_policy")]
+    """The [new, length] matrix one axis of the Resize applies (read-only, shared between calls)."""
+    attrs = tuple(a.SerializeToString() for a in node.attribute if a.name not in ("axes", "keep_aspect_ratio_policy"))
+    return _basis_resized(attrs, opset, length, scale, new)
+
+
+@functools.lru_cache(maxsize=256)
+def _basis_resized(attrs: tuple[bytes, ...], opset: int, length: int, scale: float | None, new: int) -> np.ndarray | None:
+    """onnxruntime's Resize of the identity (axis 0 holds the basis vectors at scale 1, axis 1 is resized), transposed.
+    Cached: the trainer, the gradient check and the profiler rewrite the same stages, each asking once per axis."""
     scales = np.array([1.0, scale], np.float32) if scale is not None else np.zeros(0, np.float32)
     inits = [numpy_helper.from_array(scales, "scales")]
     if scale is None:
         inits.append(numpy_helper.from_array(np.array([length, new], np.int64), "sizes"))
     resize = helper.make_node("Resize", ["x", "", "scales" if scale is not None else "", "sizes" if scale is None else ""], ["y"])
-    resize.attribute.extend(attrs)
+    for raw in attrs:
+        resize.attribute.add().ParseFromString(raw)
     graph = helper.make_graph([resize], "basis", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [length, length])],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
@@ -428,10 +438,15 @@ def _resize_matrix(node: onnx.NodeProto, opset: int, length: int, scale: float |
         y = cpu_session(model.SerializeToString(), optimize=False).run(["y"], {"x": np.eye(length, dtype=np.float32)})[0]
     except Exception:  # an attribute this shape of input cannot take: the node is left alone
         return None
-    return y.T if y.shape == (length, new) else None
+    if y.shape != (length, new):
+        return None
+    matrix = np.ascontiguousarray(y.T)
+    matrix.flags.writeable = False
+    return matrix
 
 
-def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+            consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     attrs = _attributes(node)
     dtype = _float_input(node, types)
     x_shape, y_shape = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
@@ -439,7 +454,7 @@ def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: in
             or attrs.get("coordinate_transformation_mode") == b"tf_crop_and_resize" or "axes" in attrs):
         return None
     scales_name = node.input[2] if len(node.input) > 2 else ""
-    scales = _constants(graph).get(scales_name) if scales_name else None
+    scales = consts.get(scales_name) if scales_name else None
     if scales_name and (scales is None or scales.size not in (0, len(x_shape))):
         return None
     if scales is not None and not scales.size:
@@ -489,7 +504,8 @@ def _spacing(length: int, stride: int, dilation: int, kernel: int, pad_begin: in
     return spread
 
 
-def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                    consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     attrs = _attributes(node)
     dtype = _float_input(node, types)
     x_shape, w_shape = _static_shape(types, node.input[0]), _static_shape(types, node.input[1])
@@ -521,14 +537,16 @@ def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
     return "ConvTranspose -> MatMul by spacing matrices, Conv", new
 
 
-def _einsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _einsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+            consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     if _float_input(node, types) is None:
         return None
     new = lowered(node, graph, [_static_shape(types, name) for name in node.input], opset, _base(node, "einsum"))
     return None if new is None else ("Einsum -> Transpose, ReduceSum, Reshape, MatMul", new)
 
 
-def _depth_to_space(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _depth_to_space(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                    consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     """DepthToSpace and SpaceToDepth as the spec defines them: Reshape, Transpose, Reshape (PixelShuffle's export)."""
     shape, out = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
     if _float_input(node, types) is None or shape is None or out is None or len(shape) != 4:
@@ -549,7 +567,8 @@ def _depth_to_space(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
         helper.make_node("Reshape", [f"{b}/moved", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/joined")]
 
 
-def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                    consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     """ReduceMax, ReduceMin and GlobalMaxPool as TopK(k=1) over the reduced axes moved last and flattened: the same
     values, and TopK has a gradient (to the first of tied elements, as a max pool's)."""
     shape, out = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
@@ -562,7 +581,7 @@ def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
     else:
         given = attrs.get("axes") if opset < 18 or node.op_type not in ("ReduceMax", "ReduceMin") else None
         if given is None and len(node.input) > 1 and node.input[1]:
-            found = _constants(graph).get(node.input[1])
+            found = consts.get(node.input[1])
             if found is None:
                 return None
             given = [int(a) for a in np.atleast_1d(found)]
@@ -582,7 +601,8 @@ def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
         helper.make_node("Reshape", [f"{b}/values", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/shaped")]
 
 
-def _sum_mean(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _sum_mean(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+              consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     """Sum and Mean of several tensors as a chain of Adds (and a Div for Mean): Add broadcasts as they do."""
     dtype = _float_input(node, types)
     inputs = [name for name in node.input if name]
@@ -601,11 +621,12 @@ def _sum_mean(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: 
     return f"{node.op_type} -> Add", new
 
 
-def _cumsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _cumsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+            consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     """CumSum as a MatMul by a triangular matrix of ones along its axis (exclusive: strictly triangular; reverse: the
     other triangle), the axis swapped last and back where it is not."""
     dtype, shape = _float_input(node, types), _static_shape(types, node.input[0])
-    axis = _constants(graph).get(node.input[1])
+    axis = consts.get(node.input[1])
     if dtype is None or shape is None or axis is None or axis.size != 1:
         return None
     rank = len(shape)
@@ -625,13 +646,15 @@ def _cumsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: in
         helper.make_node("Transpose", [f"{b}/summed"], [node.output[0]], name=node.name or f"{b}/back", perm=swap)]
 
 
-def _recurrent(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _recurrent(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+               consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     dtype = _float_input(node, types)
     new = None if dtype is None else unrolled(node, graph, _static_shape(types, node.input[0]), dtype, opset, _base(node, "unrolled"))
     return None if new is None else (f"{node.op_type} -> its steps unrolled", new)
 
 
-def _float32_layer_norm(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto) -> tuple[str, list[onnx.NodeProto]] | None:
+def _float32_layer_norm(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                        consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     found = types.get(node.input[0])
     if opset < 18 or found is None or found.tensor_type.elem_type not in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
         return None
