@@ -305,6 +305,39 @@ def test_recompute_chosen_only_where_memory_needs_it() -> None:
     assert p.stages[0].memory.activations == pytest.approx(2e8 + 2 * 2 * 16 * 4)
 
 
+def _with_dropout(model: onnx.ModelProto, node: str) -> onnx.ModelProto:
+    """The chain with `node` turned into a Dropout in training mode (what torch.onnx.TrainingMode.TRAINING exports)."""
+    from onnx import numpy_helper
+
+    for n in model.graph.node:
+        if n.name == node:
+            n.op_type = "Dropout"
+            n.input.extend(["ratio", "training"])
+    model.graph.initializer.extend([numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+                                    numpy_helper.from_array(np.array(True), "training")])
+    return model
+
+
+def test_a_stage_that_draws_random_numbers_is_never_planned_recomputed() -> None:
+    """The trainer keeps such a stage's stash (a recomputed forward would draw other masks), so the planner prices it
+    so: it never recomputes, memory included, and --recompute always is refused in one line."""
+    graph = load(_with_dropout(chain_model(4, {}), "n1"))
+    costs = hand_costs(graph, [1e9] * 4, activations=[1e8] * 4)
+    tight = make_target([("g", 2, 1e12, 3e8)])  # the chain without Dropout recomputes its first stage here
+    problem = build_problem(graph, costs, tight, batch=4, microbatches=4)
+    assert problem.random.tolist() == [False, True, False, False]
+    p = plan(graph, costs, tight, stages=2, time_limit=5)
+    assert fits(p)
+    assert not any(s.recompute and "n1" in s.nodes for s in p.stages)
+    assert p.bottleneck_seconds == pytest.approx(brute_force(build_problem(graph, costs, tight, batch=p.batch, microbatches=p.microbatches), 2))
+    # An assignment asking to recompute it is priced as the trainer runs it: stashed.
+    asked = evaluate(problem, Assignment((("n0", "n1"), ("n2", "n3")), (("g0",), ("g1",)), (True, True)))
+    assert [s.recompute for s in asked.stages] == [False, True]
+    with pytest.raises(OnnxpipeError, match=r"^--recompute always: the model draws random numbers \(n1: Dropout in training mode or a random op\), "
+                                            r".*use --recompute auto \(stages holding them keep their stash\) or never$"):
+        plan(graph, costs, tight, stages=2, recompute="always", time_limit=5)
+
+
 def test_infeasible_memory_names_need_capacity_and_fixes() -> None:
     graph = load(chain_model(3, {}))
     costs = hand_costs(graph, [1e9] * 3, params=[4 * GIB, 0.0, 0.0])

@@ -41,6 +41,8 @@ class Blocks:
     activations: np.ndarray
     #: (blocks,) trained parameter bytes (`Problem.trained`).
     trained: np.ndarray
+    #: (blocks,) True where a node of the block draws random numbers (`Problem.random`): its stage never recomputes.
+    random: np.ndarray
     #: Tensors crossing blocks: producer block (-1: model input), bytes, sorted distinct consumer blocks.
     producer: np.ndarray
     nbytes: np.ndarray
@@ -143,6 +145,7 @@ def _blocks(problem: Problem, starts: np.ndarray) -> Blocks:
         params=sums(problem.params),
         activations=sums(problem.activations),
         trained=sums(problem.trained),
+        random=sums(problem.random.astype(np.int64)) > 0,
         producer=np.array(producer, dtype=np.int64),
         nbytes=np.array(nbytes, dtype=float),
         consumers=tuple(consumers),

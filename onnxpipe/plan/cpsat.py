@@ -201,6 +201,9 @@ class _Model:
         for v in self.rc:
             if recompute != "auto":
                 cp.add(v == (recompute == "always"))
+        for b in np.flatnonzero(blocks.random):  # a stage drawing random numbers keeps its stash (`Problem.random`)
+            for s, v in self.x[b].items():
+                cp.add_implication(v, self.rc[s].negated())
         self.block_group: dict[int, list] = {}
         # Crossing tensors, each over the stages where it can arise (no variable elsewhere): received[t][s] (stage s reads
         # it from an earlier stage; inputs[t][s] for a model input); by group of the other end (`_by_group`): came_from[t][s][g]

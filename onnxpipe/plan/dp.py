@@ -151,13 +151,15 @@ class _Prefix:
     params: np.ndarray
     activations: np.ndarray
     trained: np.ndarray
+    random: np.ndarray
 
 
 def _prefix(blocks: Blocks) -> _Prefix:
     def cum(a: np.ndarray) -> np.ndarray:
         return np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1)], axis=-1)
 
-    return _Prefix(cum(blocks.forward), cum(blocks.backward), cum(blocks.params), cum(blocks.activations), cum(blocks.trained))
+    return _Prefix(cum(blocks.forward), cum(blocks.backward), cum(blocks.params), cum(blocks.activations), cum(blocks.trained),
+                   cum(blocks.random.astype(float)))
 
 
 def _span(prefix: np.ndarray) -> np.ndarray:
@@ -192,8 +194,9 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, flight, recomp
     keep_fits = state + activation_bytes(mine, acts, table.stash_bytes, False) <= capacity
     rc_fits = state + activation_bytes(mine, acts, table.stash_bytes, True) <= capacity
     t_keep = np.where(keep_fits & (recompute != "always"), keep, np.inf)
-    # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward.
-    t_rc = np.where(rc_fits & (recompute != "never"), keep + forward, np.inf)
+    # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward; never where a node
+    # draws random numbers (`Problem.random`).
+    t_rc = np.where(rc_fits & (recompute != "never") & (_span(prefix.random) == 0), keep + forward, np.inf)
     times = np.minimum(t_keep, t_rc)
     times[invalid] = np.inf
     cache[key] = (times, t_rc < t_keep) if with_choice else times

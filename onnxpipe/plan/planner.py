@@ -13,6 +13,7 @@ from onnxpipe.cost import Costs, annotate, read_annotated
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph, load
 from onnxpipe.initializers import TieChoice
+from onnxpipe.nodes import draws_random
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.evaluate import fits, within
@@ -74,6 +75,8 @@ def plan(
     stops at `_EXPLORE_SHARE` of it, leaving the rest to solve the winner)."""
     devices = len(target.devices)
     _ensure_options(stages, devices, microbatches, schedule, recompute, time_limit)
+    if recompute == "always" and mode == "training":
+        _ensure_recomputable(graph)
     deadline = deadline or Deadline(time_limit)
     if max_latency is not None and mode != "inference":
         raise OnnxpipeError("--max-latency bounds an inference pipeline's latency; add --mode inference")
@@ -123,6 +126,14 @@ def plan(
         fastest = min([best, *(p for p in more if fits(p))], key=lambda p: p.iteration_seconds)
         return dataclasses.replace(fastest, explored=(*candidates, *(candidate(p) for p in more)))
     return dataclasses.replace(best, explored=candidates)
+
+
+def _ensure_recomputable(graph: Graph) -> None:
+    random = draws_random(graph.model.graph)
+    if random:
+        raise OnnxpipeError(f"--recompute always: the model draws random numbers ({', '.join(random[:3])}: Dropout in training mode or a random op), "
+                            "and a recomputed forward would draw other masks than its loss saw; use --recompute auto (stages holding them "
+                            "keep their stash) or never")
 
 
 def _several_per_device(graph: Graph, costs: Costs, target: Target, best: Plan, *, recompute: str, deadline: Deadline,

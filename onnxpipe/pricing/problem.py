@@ -19,6 +19,7 @@ from onnxpipe.cost import Costs, NodeCost, weight_owners
 from onnxpipe.cost_layout import NCHWC
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
+from onnxpipe.nodes import draws_random
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.quantized import dequantized_source
 from onnxpipe.target import Device, Target
@@ -103,6 +104,9 @@ class Problem:
     #: zeros on targets without `corun_bandwidth`.
     corun_forward: np.ndarray
     corun_backward: np.ndarray
+    #: (nodes,) True where the node's outputs are drawn anew on every run (`nodes.draws_random`: Dropout in training
+    #: mode, random ops): a stage holding one never recomputes, since its backward would see other draws than its loss.
+    random: np.ndarray
     #: One of MODES; in inference the backward arrays are zeros.
     mode: str = "training"
     #: Inference: the most seconds a plan's latency may take (`Plan.latency_seconds`); plans above it are not taken.
@@ -257,6 +261,7 @@ def build_problem(
             bandwidth[a, b], latency[a, b] = link.bandwidth, link.latency
     firsts = [target.device(members[g][0]) for g in groups]
     sent, received = _reorders(costs, firsts, nodes, producer, nbytes, consumers, mode)
+    drawn = set(draws_random(graph.model.graph))
     dequantized = tuple((t, source) for t, name in enumerate(names) if producer[t] >= 0 and (source := dequantized_source(graph, name)) is not None)
     received += _dequantized_readers(costs, firsts, nodes, dequantized, consumers, forward, scale, dtype)
     return Problem(
@@ -292,6 +297,7 @@ def build_problem(
         memory_bandwidth=np.array([d.memory_bandwidth for d in firsts], dtype=float),
         corun_forward=corun_forward,
         corun_backward=2 * corun_forward if mode == "training" else np.zeros_like(corun_forward),
+        random=np.array([n in drawn for n in nodes], dtype=bool),
         mode=mode,
         max_latency=max_latency,
     )

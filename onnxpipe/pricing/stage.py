@@ -189,7 +189,8 @@ def price(problem: Problem, assignment: Assignment, stage_of: np.ndarray) -> tup
     for s in range(k):
         mask = stage_of == s
         r = len(groups[s])
-        recompute = assignment.recompute[s] and problem.training  # inference stashes nothing for a backward
+        # Inference stashes nothing for a backward; a stage drawing random numbers keeps its stash, as the trainer does.
+        recompute = assignment.recompute[s] and problem.training and not problem.random[mask].any()
         forward = float(max(problem.forward[g, mask].sum() for g in groups[s]) + comm.crossing[s]) / r
         backward = recomputed_backward(forward, float(max(problem.backward[g, mask].sum() for g in groups[s])) / r, recompute)
         # A split backward's W: the weight-gradient part of what B reaches, the whole backward of the rest (all of it
