@@ -422,7 +422,7 @@ def split(
     batch: int = typer.Option(None, "--batch", help="Global batch per iteration (default: the model's batch x micro-batches)."),
     microbatches: int = typer.Option(None, "--microbatches", help="Micro-batches per iteration."),
     schedule: str = typer.Option(None, "--schedule", help="Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved or zb-v (2 stages per device)."),
-    optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
+    optimizer: str = typer.Option(None, "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam; with -master (adam-master...) float32 master copies of float16 weights too."),
     recompute: str = typer.Option(None, "--recompute", help="Activation policy: auto, never or always."),
     mode: str = typer.Option(None, "--mode", help=_MODE_HELP),
     max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
@@ -633,7 +633,7 @@ def plan_command(
     microbatches: str = typer.Option(None, "--microbatches",
                                      help="Micro-batches per iteration, or 'auto' to explore (default: 2 x stages, or 2 x devices without --stages)."),
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe, 1f1b, zb-h1, interleaved or zb-v (2 stages per device: --stages up to 2 x devices), or auto to explore them all."),
-    optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam."),
+    optimizer: str = typer.Option("adam", "--optimizer", help="Optimizer whose state counts in memory: sgd, momentum or adam; with -master (adam-master...) float32 master copies of float16 weights too."),
     recompute: str = typer.Option("auto", "--recompute", help="Activation policy: auto, always or never."),
     mode: str = typer.Option(None, "--mode", help=_MODE_HELP),
     max_latency: float = typer.Option(None, "--max-latency", help=_MAX_LATENCY_HELP),
@@ -734,6 +734,7 @@ def train(
     lr: float = typer.Option(0.01, "--lr", help="Learning rate."),
     optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw (torch semantics)."),
     momentum: float = typer.Option(0.0, "--momentum", help="SGD momentum."),
+    master_weights: bool = typer.Option(False, "--master-weights", help="Mixed precision: float32 copies of float16 weights, updated in float32 (and the optimizer state), the weights their rounding; planned with their memory."),
     loss: str = typer.Option(None, "--loss", help="Append a loss to a model without one: cross_entropy or mse (with --labels)."),
     labels: str = typer.Option(None, "--labels", help="With --loss: OUTPUT=LABELS or OUTPUT (labels input named 'labels')."),
     class_axis: int = typer.Option(1, "--class-axis", help="With --loss cross_entropy: the axis of the class scores (1 as in PyTorch; -1 for [N, S, vocab])."),
@@ -783,7 +784,7 @@ def train(
     if trained_path and (Path(trained_path).is_dir() or not Path(trained_path).absolute().parent.is_dir()):
         raise OnnxpipeError(f"-o {trained_path}: {'a directory' if Path(trained_path).is_dir() else 'its folder does not exist'}; "
                             "pass the path of the .onnx file to write")
-    opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum)
+    opt = OptimizerConfig(optimizer, lr=lr, momentum=momentum, master_weights=master_weights)
     from_files = directory_binding(model, parse_dims(dim)) if Path(model).is_dir() else None  # --dim checked before any worker starts
     with Pipeline(model, target, stages=stages, batch=batch, microbatches=microbatches, schedule=schedule, optimizer=opt,
                   loss=loss_spec, recompute=recompute, dims=parse_dims(dim), tie=tuple(tie or ()), untie=tuple(untie or ()),

@@ -266,7 +266,7 @@ def _set(path: str, value: object) -> Callable[[dict], None]:
     return edit
 
 
-def _checkpoint_of(optimizer: str) -> Callable[[Path, Path], None]:
+def _checkpoint_of(optimizer: str, master_weights: bool = False) -> Callable[[Path, Path], None]:
     """A complete checkpoint of the 2-stage mlp (empty states) trained with `optimizer`."""
     def make(tmp: Path, base: Path) -> None:
         (tmp / "ck").mkdir()
@@ -274,7 +274,7 @@ def _checkpoint_of(optimizer: str) -> Callable[[Path, Path], None]:
         for i in range(2):
             np.savez(tmp / "ck" / f"stage_{i}.npz")
             entries.append({"file": f"stage_{i}.npz", "sha256": hashlib.sha256((tmp / "ck" / f"stage_{i}.npz").read_bytes()).hexdigest(), "step": 1})
-        index = {"format": "onnxpipe.checkpoint/1", "step": 1, "meta": {"optimizer": optimizer}, "stages": entries}
+        index = {"format": "onnxpipe.checkpoint/1", "step": 1, "meta": {"optimizer": optimizer, "master_weights": master_weights}, "stages": entries}
         (tmp / "ck" / "checkpoint.json").write_text(json.dumps(index))
     return make
 
@@ -447,6 +447,9 @@ CASES = [
     Case("resume-with-another-optimizer", both(copy("stages"), _checkpoint_of("adamw")),
          ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
          r"ck: the checkpoint was trained with adamw, this run uses sgd; resume with --optimizer adamw or start without --resume", ("t.json",)),
+    Case("resume-without-master-weights", both(copy("stages"), _checkpoint_of("sgd", master_weights=True)),
+         ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
+         r"ck: the checkpoint was trained with --master-weights, this run without; resume with it or start without --resume", ("t.json",)),
     Case("plan-schedule-bogus", edited_plan(_set("schedule", "bogus")), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),
          r"p\.json: schedule: 'bogus' is not one of gpipe, 1f1b, .*; regenerate it", ("out",)),
     Case("plan-microbatches-zero-in-file", edited_plan(_set("microbatches", 0)), ("split", "mlp.onnx", "--plan", "p.json", "-o", "out"),

@@ -5,6 +5,7 @@ processes, faults, checkpoints and the public API."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import shutil
 import tempfile
@@ -580,7 +581,6 @@ def test_a_diverging_run_stops_naming_the_step_and_the_way_out() -> None:
             fit(pipe, data_source(pipe, "synthetic"), 4)
 
 
-@pytest.mark.filterwarnings("ignore:.*encountered in divide:RuntimeWarning")  # the 0/0 the test is about
 def test_float16_weights_diverging_under_adamw_are_told_why() -> None:
     """AdamW keeps its state in the weights' type, as torch.optim does: in float16 its eps (1e-8) is 0, and a weight
     whose gradient is 0 (a dead ReLU's) gets 0/0."""
@@ -589,9 +589,69 @@ def test_float16_weights_diverging_under_adamw_are_told_why() -> None:
 
     with Pipeline(_float16_mlp(), "cpu2", stages=2, microbatches=2, optimizer=OptimizerConfig("adamw", lr=0.01), processes=False,
                   loss=LossSpec("mse", "h2")) as pipe:
-        with pytest.raises(OnnxpipeError, match=r"^step 2: the loss is nan, training diverged; lower --lr, or train the float16 weights with "
-                                                r"--optimizer sgd \(AdamW's state is kept in float16, as in torch, where its eps 1e-8 is 0\)"):
+        with pytest.raises(OnnxpipeError, match=r"^step 2: the loss is nan, training diverged; lower --lr, or add --master-weights \(float32 "
+                                                r"copies of the float16 weights, AdamW's state in float32: without them its state is float16, as in "
+                                                r"torch, where its eps 1e-8 is 0\)$"):
             fit(pipe, data_source(pipe, "synthetic"), 3)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_master_weights_update_a_float32_copy_and_round_it_into_the_float16_weight(name: str) -> None:
+    """Mixed precision as DeepSpeed and Megatron train float16 models: the step is the float32 optimizer's on a float32
+    copy, the float16 weight its rounding, however many steps; without the copy, updates below half a float16 step
+    are lost (the weight never moves)."""
+    from onnxpipe.train.optimizer import Optimizer
+
+    rng = np.random.default_rng(0)
+    weight = (1 + rng.standard_normal((4, 8)) * 0.1).astype(np.float16)
+    grads = [rng.uniform(0.5e-2, 2e-2, (4, 8)).astype(np.float16) for _ in range(20)]
+    config = OptimizerConfig(name, lr=1e-2 if name == "sgd" else 1e-4)  # each update below half a float16 step at 1
+    mixed, plain, reference = Optimizer(dataclasses.replace(config, master_weights=True)), Optimizer(config), Optimizer(config)
+    params, params16, ref = {"w": weight.copy()}, {"w": weight.copy()}, {"w": weight.astype(np.float32)}
+    for g in grads:
+        mixed.step(params, {"w": g})
+        plain.step(params16, {"w": g})
+        reference.step(ref, {"w": g.astype(np.float32)})
+        assert params["w"].dtype == np.float16
+        np.testing.assert_array_equal(params["w"], ref["w"].astype(np.float16))
+    np.testing.assert_array_equal(mixed.state()["slot:w/master"], ref["w"])
+    assert np.any(params["w"] != weight)
+    if name == "sgd":  # each update below half a float16 step: lost without the copy
+        np.testing.assert_array_equal(params16["w"], weight)
+
+
+def test_float16_weights_train_under_adamw_with_master_weights_as_unpartitioned() -> None:
+    """The run that diverges without master weights (above) trains with them, the pipeline as the unpartitioned model."""
+    from onnxpipe.train.fit import check, data_source, fit
+    from onnxpipe.train.pipeline import Pipeline
+
+    with Pipeline(_float16_mlp(), "cpu2", stages=2, microbatches=2, processes=False, loss=LossSpec("mse", "h2"),
+                  optimizer=OptimizerConfig("adamw", lr=0.01, master_weights=True)) as pipe:
+        source = data_source(pipe, "synthetic")
+        losses = fit(pipe, source, 6)
+        assert all(np.isfinite(losses))
+        assert {v.dtype for v in pipe.parameters().values()} == {np.dtype(np.float16)}
+        diffs = check(pipe, source, 6)
+    assert diffs["max_loss_rel_diff"] < 1e-3 and diffs["max_weight_abs_diff"] < 2e-3  # float16: sums in another order round apart
+
+
+def test_master_weights_are_planned_with_their_float32_copies() -> None:
+    """12 bytes of optimizer memory per 2-byte weight under Adam (a float32 copy, two float32 moments), as DeepSpeed
+    counts mixed precision; a float32 model keeps no copy."""
+    from onnxpipe.cost import annotate
+    from onnxpipe.plan import Assignment, build_problem, evaluate
+    from onnxpipe.pricing.problem import optimizer_states
+    from onnxpipe.target import load_target
+
+    assert [optimizer_states(o, "float16") for o in ("adam", "adam-master", "momentum-master", "sgd-master")] == [2.0, 6.0, 4.0, 2.0]
+    assert optimizer_states("adam-master", "float32") == 2.0
+    graph = load(_float16_mlp())
+    costs, target = annotate(graph), load_target("cpu2")
+    trained = sum(graph.tensors[w].nbytes for w in graph.trained)
+    for optimizer, per_byte in (("adam", 2.0), ("adam-master", 6.0)):
+        priced = evaluate(build_problem(graph, costs, target, batch=16, microbatches=2, optimizer=optimizer),
+                          Assignment((graph.compute_nodes,), ((target.devices[0].name,),), (False,)))
+        assert priced.stages[0].memory.optimizer == pytest.approx(per_byte * trained)
 
 
 def _dropout_mlp(training: bool | None) -> onnx.ModelProto:

@@ -25,13 +25,28 @@ from onnxpipe.quantized import dequantized_source
 from onnxpipe.target import Device, Target
 from onnxpipe.units import plural
 
-__all__ = ["OPTIMIZER_STATES", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
+__all__ = ["OPTIMIZER_STATES", "MASTER_SUFFIX", "OPTIMIZERS", "optimizer_states", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
 
 #: Ops whose gradient node makes the input and the weight gradients at once (onnxruntime-training 1.19.2;
 #: `train.splitgrad`): a split backward runs them whole in B, leaving W nothing of theirs.
 FUSED_GRADIENT_OPS = frozenset({"LayerNormalization", "BatchNormalization", "LSTM"})
 #: Optimizer state per parameter byte.
 OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
+#: An optimizer's name with this suffix keeps float32 master copies of float16 and bfloat16 weights (`optimizer_states`).
+MASTER_SUFFIX = "-master"
+#: Every optimizer name the planner prices.
+OPTIMIZERS = (*OPTIMIZER_STATES, *(f"{name}{MASTER_SUFFIX}" for name in OPTIMIZER_STATES))
+
+
+def optimizer_states(optimizer: str, dtype: str) -> float:
+    """Optimizer bytes per trained parameter byte. With master weights of a 16-bit model, a float32 copy of each weight
+    and float32 state: (states + 1) x 2 (Adam: 12 bytes per 2-byte weight, as DeepSpeed counts it); a float32 or
+    float64 model keeps no copy."""
+    base = optimizer.removesuffix(MASTER_SUFFIX)
+    states = OPTIMIZER_STATES[base]
+    if base != optimizer and dtype in ("float16", "bfloat16"):
+        return 2.0 * (states + 1.0)
+    return states
 #: "training": forward, backward and an optimizer step per iteration; "inference": forward only (no
 #: gradients, optimizer state, stash or all-reduce), micro-batches streamed through the stages.
 MODES = ("training", "inference")
@@ -135,7 +150,7 @@ class Problem:
 
     @property
     def optimizer_states(self) -> float:
-        return OPTIMIZER_STATES[self.optimizer]
+        return optimizer_states(self.optimizer, self.dtype)
 
     def group_of(self, device: str) -> int:
         for g, names in enumerate(self.group_devices):
@@ -328,8 +343,8 @@ def _frozen_bytes(graph: Graph, nodes: tuple[str, ...]) -> np.ndarray:
 
 def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, optimizer: str) -> None:
     schedules.virtual(schedule)  # any table: the planner admits those it plans (`schedule.ensure_plannable`)
-    if optimizer not in OPTIMIZER_STATES:
-        raise OnnxpipeError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZER_STATES)}")
+    if optimizer not in OPTIMIZERS:
+        raise OnnxpipeError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZERS)}")
     if microbatches < 1 or batch < 1:
         raise OnnxpipeError(f"batch {batch} and micro-batches {microbatches} must be positive integers")
     if batch % microbatches:

@@ -60,7 +60,10 @@ def _narrow_hint(pipeline: Pipeline) -> str:
     type, where eps (1e-8) and small squared gradients are 0."""
     if pipeline.config.optimizer.name != "adamw" or not any(v.dtype == np.float16 for v in pipeline.parameters().values()):
         return ""
-    return ", or train the float16 weights with --optimizer sgd (AdamW's state is kept in float16, as in torch, where its eps 1e-8 is 0), or export the model in float32"
+    if pipeline.config.optimizer.master_weights:
+        return ""
+    return (", or add --master-weights (float32 copies of the float16 weights, AdamW's state in float32: without them its state is "
+            "float16, as in torch, where its eps 1e-8 is 0)")
 
 
 def check(pipeline: Pipeline, source: BatchSource, steps: int) -> dict[str, float]:

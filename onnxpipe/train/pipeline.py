@@ -255,7 +255,8 @@ class Pipeline:
     def save(self, directory: str | os.PathLike) -> None:
         """Checkpoint weights, optimizer state and the step (the data cursor)."""
         save_checkpoint(directory, self.step, self._engine().state(), {"losses": self.losses, "schedule": self.config.schedule,
-                                                                  "optimizer": self.config.optimizer.name, "stages": self.stages})
+                                                                  "optimizer": self.config.optimizer.name,
+                                                                  "master_weights": self.config.optimizer.master_weights, "stages": self.stages})
 
     def load(self, directory: str | os.PathLike) -> int:
         """Restore a checkpoint; returns the step training continues from."""
@@ -264,6 +265,10 @@ class Pipeline:
         if trained_with != self.config.optimizer.name:
             raise OnnxpipeError(f"{directory}: the checkpoint was trained with {trained_with}, this run uses {self.config.optimizer.name}; "
                                 f"resume with --optimizer {trained_with} or start without --resume")
+        master = bool(meta.get("master_weights", False))
+        if master != self.config.optimizer.master_weights:
+            raise OnnxpipeError(f"{directory}: the checkpoint was trained {'with' if master else 'without'} --master-weights, this run "
+                                f"{'without' if master else 'with'}; resume {'with' if master else 'without'} it or start without --resume")
         if len(states) != self.stages:
             raise OnnxpipeError(f"{directory}: checkpoint has {plural(len(states), 'stage')}, this pipeline {self.stages}; resume with the same stage directory")
         self._engine().load_state(states)
