@@ -41,7 +41,8 @@ from onnxpipe.ortutil import (
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
-from onnxpipe.rewrites import REWRITE_MARK, for_gradient_builder
+from onnxpipe.lowerings import REWRITE_MARK
+from onnxpipe.rewrites import for_gradient_builder
 from onnxpipe.units import format_bytes
 
 __all__ = [

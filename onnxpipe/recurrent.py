@@ -13,8 +13,6 @@ Reading order: `unrolled` -> `_Builder` -> `_gru_step` / `_rnn_step`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import onnx
 from onnx import helper
