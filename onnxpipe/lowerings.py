@@ -86,6 +86,11 @@ def _attributes(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _read(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], *tensors: str) -> tuple[dict[str, object], np.dtype | None, list]:
+    """What a rewrite of the node reads first: its attributes, its first input's float dtype, the tensors' static shapes."""
+    return _attributes(node), _float_input(node, types), [_static_shape(types, t) for t in tensors]
+
+
 def node_base(node: onnx.NodeProto, rewrite: str) -> str:
     return f"{node.name or node.output[0]}{REWRITE_MARK}{rewrite}"
 
@@ -175,9 +180,7 @@ def _basis_resized(attrs: tuple[bytes, ...], opset: int, length: int, scale: flo
 
 def _resize(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
             consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
-    attrs = _attributes(node)
-    dtype = _float_input(node, types)
-    x_shape, y_shape = _static_shape(types, node.input[0]), _static_shape(types, node.output[0])
+    attrs, dtype, (x_shape, y_shape) = _read(node, types, node.input[0], node.output[0])
     if (dtype is None or x_shape is None or y_shape is None or opset < 11 or len(x_shape) < 2
             or attrs.get("coordinate_transformation_mode") == b"tf_crop_and_resize" or "axes" in attrs):
         return None
@@ -234,9 +237,7 @@ def _spacing(length: int, stride: int, dilation: int, kernel: int, pad_begin: in
 
 def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
                     consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
-    attrs = _attributes(node)
-    dtype = _float_input(node, types)
-    x_shape, w_shape = _static_shape(types, node.input[0]), _static_shape(types, node.input[1])
+    attrs, dtype, (x_shape, w_shape) = _read(node, types, node.input[0], node.input[1])
     if (dtype is None or x_shape is None or w_shape is None or len(x_shape) not in (3, 4) or "output_shape" in attrs
             or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID")):
         return None
