@@ -55,6 +55,7 @@ def chain(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], optimiz
     """Run the stages in order, each on the model inputs and earlier stages' outputs it lists (`optimize=False`:
     each stage's nodes one by one, without onnxruntime's graph fusions)."""
     manifest = Manifest.read(directory)
+    manifest.ensure_numpy_types("run")
     values: dict[str, np.ndarray] = dict(check_feeds(manifest.inputs, feeds, ranges=index_ranges(directory, manifest)))
     for stage in manifest.stages:
         values.update(_run_stage(session(Path(directory) / stage.file, optimize), stage, values))

@@ -37,7 +37,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.ortutil import (
     CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, gradient_model, lift_initializers, pretraining_rewrite,
-    quiet_stderr,
+    ort_reason, quiet_stderr,
 )
 from onnxpipe.ortutil import session as ort_session
 from onnxpipe.protostream import load_weights
@@ -208,7 +208,8 @@ def _profile(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], tmp: str, 
     except Exception as exc:  # onnxruntime raises its own exception types for unsupported models
         if tag in ("backward", "inference", "probe"):
             return []
-        raise OnnxpipeError(f"profiling failed in onnxruntime ({str(exc).splitlines()[0][:200]}); annotate without --profile") from exc
+        raise OnnxpipeError(f"profiling failed in onnxruntime ({ort_reason(exc)}); price the model without measuring it: `plan "
+                            "--no-profile`, `annotate` without --profile") from exc
     with open(trace) as f:
         return json.load(f)
 

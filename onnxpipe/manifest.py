@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
+from onnxpipe.ortutil import ensure_numpy_types
 from onnxpipe.records import RecordError, read_record
 from onnxpipe.safepath import reference_from, reference_to
 
@@ -89,6 +90,11 @@ class Manifest:
     #: Initializers of the model file that were untied (one copy per reading module, `onnxpipe.initializers.untie`):
     #: loading the model again with exactly these untied gives the graph the stages were cut from.
     untied: tuple[str, ...] = ()
+
+    def ensure_numpy_types(self, doing: str) -> None:
+        """`ensure_numpy_types` of the model's inputs, outputs and cut tensors."""
+        crossing = [*self.inputs, *self.outputs, *(t for s in self.stages for t in (*s.inputs, *s.outputs))]
+        ensure_numpy_types(self.model, ((t.name, t.dtype) for t in crossing), doing)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -7,14 +7,14 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 
 from onnxpipe.errors import OnnxpipeError
 
 __all__ = [
     "quiet_stderr", "quiet_logger", "cpu_session", "session", "available_providers", "CPU_PROVIDER", "cuda_works", "gradient_model", "ort_reason",
     "REWRITTEN_OPS", "REWRITTEN_SUFFIXES", "complete_optional_outputs", "lift_initializers", "pretraining_rewrite", "state_inputs",
-    "MAX_IR_VERSION", "MAX_OPSET", "ensure_runtime_loads",
+    "MAX_IR_VERSION", "MAX_OPSET", "ensure_runtime_loads", "NO_NUMPY_DTYPES", "ensure_numpy_types", "numpy_types",
 ]
 
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -205,3 +205,30 @@ def pretraining_rewrite(model: bytes, trained: set[str]) -> bytes:
     quiet_logger()
     with quiet_stderr():
         return get_optimized_model(model, trained, SessionOptions())
+
+
+#: Tensor types onnxruntime's Python API hands to no numpy array ("No corresponding Numpy type"): nothing that crosses a
+#: stage boundary in them can be fed, received or sent.
+NO_NUMPY_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
+
+
+def ensure_numpy_types(origin: str, tensors: Iterable[tuple[str, str]], doing: str) -> None:
+    """One line, before any worker starts, where a tensor the executor hands over as numpy ((name, numpy dtype name):
+    a stage boundary's, a trained weight's) has a type onnxruntime gives numpy none of (a bfloat16 model)."""
+    named = list(tensors)
+    for dtype in sorted({d for _, d in named} & NO_NUMPY_DTYPES):
+        names = list(dict.fromkeys(n for n, d in named if d == dtype))
+        shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        raise OnnxpipeError(f"{origin}: {dtype} tensors ({shown}): onnxruntime's Python API hands no {dtype} arrays to numpy, so "
+                            f"onnxpipe cannot {doing} it; export the model in float32, or in float16 (`train --master-weights` for "
+                            "mixed precision); `plan` and `split` take it as it is")
+
+
+def numpy_types(model, weights: Container[str]) -> list[tuple[str, str]]:  # model: onnx.ModelProto
+    """(name, numpy dtype name) of what the executor hands over as numpy: the graph's inputs and outputs, the `weights`."""
+    from onnx import helper
+
+    graph = model.graph
+    found = [(v.name, helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name) for v in (*graph.input, *graph.output)
+             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type]
+    return found + [(t.name, helper.tensor_dtype_to_np_dtype(t.data_type).name) for t in graph.initializer if t.name in weights]

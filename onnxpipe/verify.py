@@ -76,6 +76,7 @@ def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims:
     if samples < 1:
         raise OnnxpipeError(f"--samples {samples}: must be at least 1")
     manifest = Manifest.read(directory)
+    manifest.ensure_numpy_types("verify")
     fused = not op_by_op(model_path)
     original = _original_session(Path(model_path), fused)
     stage_batch(directory, model_path, dims)

@@ -73,6 +73,20 @@ def _embedding() -> onnx.ModelProto:
     return _model(nodes, [vi("ids", TensorProto.INT64, [2, 3])], [vi("y", TensorProto.FLOAT, [2, 3, 4])], [table])
 
 
+def _bfloat16() -> onnx.ModelProto:
+    """A bfloat16 layer (a model exported after `.to(torch.bfloat16)`): onnxruntime hands no bfloat16 arrays to numpy."""
+    vi = helper.make_tensor_value_info
+    w = helper.make_tensor("w", TensorProto.BFLOAT16, [16, 4], np.full(64, 0.5, np.float32).tolist())
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc"), helper.make_node("Relu", ["h"], ["y"], name="act")]
+    return _model(nodes, [vi("x", TensorProto.BFLOAT16, [8, 16])], [vi("y", TensorProto.BFLOAT16, [8, 4])], [w])
+
+
+#: What `run`, `verify` and `train` say of a bfloat16 model or its stages, before any worker starts.
+_BF16 = (r"^error: bf16\.onnx: bfloat16 tensors \('x', 'y'.*\): onnxruntime's Python API hands no bfloat16 arrays to numpy, so onnxpipe "
+         r"cannot {doing} it; export the model in float32, or in float16 \(`train --master-weights` for mixed precision\); `plan` and "
+         r"`split` take it as it is$")
+
+
 def _target(memory: str, extra: str = "") -> str:
     return f"""name = "tiny"
 description = "two small accelerators"
@@ -114,6 +128,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     split(graph, plan, root / "stages")
     graph, _, _, plan = plan_model(root / "embedding.onnx", "fpga4", stages=1, time_limit=5)
     split(graph, plan, root / "embedding-stages")
+    onnx.save(_bfloat16(), str(root / "bf16.onnx"))
+    graph, _, _, plan = plan_model(root / "bf16.onnx", "fpga4", stages=2, time_limit=5)  # plan and split take it
+    split(graph, plan, root / "bf16-stages")
     load(root / "mlp.onnx")  # the base must itself be good input
     np.savez(root / "good.npz", x=np.zeros((8, 16), np.float32))
     return root
@@ -447,6 +464,16 @@ CASES = [
     Case("resume-with-another-optimizer", both(copy("stages"), _checkpoint_of("adamw")),
          ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
          r"ck: the checkpoint was trained with adamw, this run uses sgd; resume with --optimizer adamw or start without --resume", ("t.json",)),
+    Case("bfloat16-run", both(copy("bf16-stages"), copy("good.npz")), ("run", "bf16-stages", "--inputs", "good.npz", "-o", "o.npz"),
+         _BF16.format(doing="run"), ("o.npz",)),
+    Case("bfloat16-verify", copy("bf16-stages", "bf16.onnx"), ("verify", "bf16-stages", "bf16.onnx"), _BF16.format(doing="verify")),
+    Case("bfloat16-train-stages", copy("bf16-stages"), ("train", "bf16-stages", "--loss", "mse", "--labels", "y=labels", "--steps", "1"),
+         _BF16.format(doing="train")),
+    Case("bfloat16-train-model", copy("bf16.onnx"), ("train", "bf16.onnx", "--loss", "mse", "--labels", "y=labels", "--steps", "1"),
+         _BF16.format(doing="train")),
+    Case("bfloat16-profiled", copy("bf16.onnx"), ("plan", "bf16.onnx", "-t", "cpu2"),
+         r"profiling failed in onnxruntime \(Could not find an implementation for Gemm\(13\) node with name 'fc'\); price the model "
+         r"without measuring it: `plan --no-profile`, `annotate` without --profile$"),
     Case("resume-without-master-weights", both(copy("stages"), _checkpoint_of("sgd", master_weights=True)),
          ("train", "stages", "--loss", "mse", "--labels", "out/Gemm=y", "--steps", "2", "--checkpoint-dir", "ck", "--resume", "--json", "t.json"),
          r"ck: the checkpoint was trained with --master-weights, this run without; resume with it or start without --resume", ("t.json",)),

@@ -68,6 +68,7 @@ def stream(directory: str | os.PathLike, feeds: Mapping[str, np.ndarray], microb
     pass starts with an empty pipeline), measured: with more than one pass the first is a warm-up and the
     figures are the medians of the others."""
     manifest = Manifest.read(directory)
+    manifest.ensure_numpy_types("run")
     microbatches = feed_microbatches(manifest, feeds) if microbatches is None else microbatches
     if microbatches < 1:
         raise OnnxpipeError(f"--microbatches {microbatches}: must be at least 1")

@@ -28,7 +28,8 @@ from onnxpipe.fileio import atomic_path
 from onnxpipe.gradients import ensure_gradients
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, untie
 from onnxpipe.manifest import Manifest
-from onnxpipe.nodes import draws_random
+from onnxpipe.nodes import draws_random, trained_initializers
+from onnxpipe.ortutil import ensure_numpy_types, numpy_types
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.simulate import Event
 from onnxpipe.target import BACKENDS, load_target
@@ -137,6 +138,9 @@ class Pipeline:
         m = self.config.microbatches
         self.binding = bind_batch(self._original(), dims, batch, m)
         self.dims = self.binding.dims
+        # before any worker starts: types the workers cannot hold (the cut tensors are checked with the stages)
+        ensure_numpy_types(str(source) if not isinstance(source, onnx.ModelProto) else "the model",
+                           numpy_types(self._original(), trained_initializers(self._original().graph)), "train")
         graph, _, _, the_plan = plan_model(source, target or DEFAULT_TARGET, dims=self.dims, stages=stages, microbatches=m,
                                            schedule=self.config.schedule, optimizer=self.config.optimizer.planned_as,
                                            recompute=self.config.recompute, time_limit=time_limit, ties=ties,

@@ -23,6 +23,7 @@ from onnxpipe.train.graphs import StageGraphs, build_stage_graphs
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
 from onnxpipe.opset import training_opset
+from onnxpipe.ortutil import ensure_numpy_types, numpy_types
 from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.splitgrad import split_backward
 from onnxpipe.train.stage import StageSpec, Wiring
@@ -79,6 +80,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
     (or `replicas[stage]`), each with its share of the stage's schedule row (`schedule.replicate`);
     a replica left without micro-batches (more replicas than micro-batches) adds zero gradients."""
     directory = Path(directory)
+    manifest.ensure_numpy_types("train")
     loss = _loss_name(manifest, config)
     k = len(manifest.stages)
     layout = Layout(replicas or tuple(max(1, len(st.devices)) for st in manifest.stages))
@@ -100,6 +102,7 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
         if config.loss is not None and any(o.name == config.loss.output for o in model.graph.output):
             model = append_loss(model, config.loss)
         models[st.index] = model
+    ensure_numpy_types(manifest.model, [t for st in manifest.stages for t in numpy_types(models[st.index], st.parameters)], "train")
     holder = {o.name: s.index for s in manifest.stages for o in s.outputs}
     for st in reversed(manifest.stages):
         model = models[st.index]
