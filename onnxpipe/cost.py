@@ -57,6 +57,7 @@ from onnxpipe.cost_layout import NCHWC, ReorderRates
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.fileio import fresh_dir_beside, write_json
 from onnxpipe.graph import Graph, TensorInfo, load, subgraph_captures
+from onnxpipe.nodes import is_float_dtype
 from onnxpipe.protostream import load_weights
 from onnxpipe.quantized import int8_operands
 
@@ -180,7 +181,7 @@ def with_measurements(costs: Costs, forward: Mapping[str, float], backward: Mapp
 
 def _is_float(graph: Graph, tensor: str) -> bool:
     info = graph.tensors.get(tensor)
-    return info is not None and np.issubdtype(np.dtype(info.dtype), np.floating)
+    return info is not None and is_float_dtype(info.dtype)
 
 
 def weight_owners(graph: Graph) -> dict[str, frozenset[str]]:

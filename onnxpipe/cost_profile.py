@@ -35,6 +35,7 @@ from onnxpipe.cost_layout import ReorderRates, probe_model, probe_shape, reorder
 from onnxpipe.cost_trace import is_run, kernels, run_starts
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
+from onnxpipe.nodes import is_float_dtype
 from onnxpipe.ortutil import (
     CPU_PROVIDER, MAX_IR_VERSION, REWRITTEN_OPS, REWRITTEN_SUFFIXES, available_providers, gradient_model, lift_initializers, pretraining_rewrite,
     ort_reason, quiet_stderr,
@@ -175,7 +176,7 @@ def _feeds(graph: Graph) -> dict[str, np.ndarray]:
     for name in graph.inputs:
         info = graph.tensors[name]
         dtype = np.dtype(info.dtype)
-        if np.issubdtype(dtype, np.floating):
+        if is_float_dtype(dtype):
             feeds[name] = rng.standard_normal(info.shape, dtype=np.float32).astype(dtype, copy=False)
         else:
             feeds[name] = np.zeros(info.shape, dtype=dtype)
@@ -351,7 +352,7 @@ def _shared(nodes: list[str], seconds: float, weights: Mapping[str, float]) -> d
 def _training_model(graph: Graph, model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
     """The model plus a scalar loss and its gradient graph, and the weights it takes as inputs (fed when it runs);
     None when onnxruntime cannot build one."""
-    floats = [o for o in graph.outputs if np.issubdtype(np.dtype(graph.tensors[o].dtype), np.floating)]
+    floats = [o for o in graph.outputs if is_float_dtype(graph.tensors[o].dtype)]
     # The gradients training makes: of every trained weight, those read only through a constant chain included (a
     # dynamo LSTM reorders its gates with Slices of its weights: left out, its LSTMGrad lacked those gradients and
     # onnxruntime crashed running it); never of a model input (the trainer asks none; a first layer makes its

@@ -24,16 +24,14 @@ from onnxpipe.buffers import hold_exporter_constants
 from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, tie_copies_in_place, untie_in_place
-from onnxpipe.nodes import RANDOM_OPS, hold, is_weight, subgraph_captures, trained_initializers
+from onnxpipe.nodes import RANDOM_OPS, hold, is_float_dtype, is_weight, subgraph_captures, trained_initializers
 from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ensure_runtime_loads
 from onnxpipe.protostream import read_user_model, skeleton, weights_dir
 from onnxpipe.shapes import Inferred, infer, static_shape
 from onnxpipe.units import plural
 
-__all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS", "FLOAT_DTYPES"]
+__all__ = ["TensorInfo", "Graph", "load", "is_weight", "subgraph_captures", "RANDOM_OPS"]
 
-#: Dtypes that carry gradients: a stage's inputs of these get one from its backward (the trainer's rule, which the pricing mirrors).
-FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
 
 
 
@@ -144,7 +142,7 @@ class Graph:
         """The model's loss: its first output when that is a float scalar (or a one-element float named like a
         loss), what a training model computes; None for a model without one (it can only be served)."""
         info = self.tensors.get(self.outputs[0]) if self.outputs else None
-        if info is None or not np.issubdtype(np.dtype(info.dtype), np.floating):
+        if info is None or not is_float_dtype(info.dtype):
             return None
         scalar = info.shape == ()
         named = "loss" in info.name.lower() and math.prod(info.shape) == 1

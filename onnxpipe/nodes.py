@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 
 from onnxpipe.ortutil import state_inputs
 
-__all__ = ["subgraph_captures", "has_subgraph", "draws_random", "is_weight", "trained_initializers", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
+__all__ = ["FLOAT_DTYPES", "is_float_dtype", "subgraph_captures", "has_subgraph", "draws_random", "is_weight", "trained_initializers", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -59,10 +59,21 @@ def subgraph_captures(node: onnx.NodeProto) -> tuple[str, ...]:
     return tuple(captured)
 
 
+#: Dtypes that carry gradients: a stage's inputs of these get one from its backward (the trainer's rule, which the pricing mirrors).
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
+
+
+def is_float_dtype(dtype: str | np.dtype) -> bool:
+    """numpy's floating types and bfloat16, which numpy holds as a type of its own kind (ml_dtypes) that
+    `np.issubdtype(..., np.floating)` does not count: a bfloat16 model's weights and loss are floats all the same."""
+    found = np.dtype(dtype)
+    return found.name in FLOAT_DTYPES or bool(np.issubdtype(found, np.floating))
+
+
 def is_weight(dtype: str | np.dtype, shape: tuple[int, ...]) -> bool:
     """A floating-point initializer of more than one element is a trainable weight; scalars and
     one-element tensors (a Pow exponent, a 1/sqrt(d) scale, a mask fill value) are constants."""
-    return bool(np.issubdtype(np.dtype(dtype), np.floating)) and math.prod(shape) > 1
+    return is_float_dtype(dtype) and math.prod(shape) > 1
 
 
 #: Inputs the ONNX spec calls non-differentiable that onnxruntime-training differentiates all the same (asked of

@@ -20,6 +20,7 @@ from onnxpipe.batching import BatchBinding, stage_binding
 from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
+from onnxpipe.nodes import is_float_dtype
 from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session
 from onnxpipe.protostream import read_user_model
 from onnxpipe.quantized import is_quantized
@@ -50,7 +51,7 @@ def random_feeds(inputs: tuple[StageInput, ...], rng: np.random.Generator) -> di
     feeds = {}
     for spec in inputs:
         dtype = np.dtype(spec.dtype)
-        if np.issubdtype(dtype, np.floating):
+        if is_float_dtype(dtype):
             feeds[spec.name] = rng.standard_normal(spec.shape).astype(dtype)
         elif dtype == np.bool_:
             feeds[spec.name] = rng.random(spec.shape) < 0.5

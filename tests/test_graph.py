@@ -186,3 +186,29 @@ def test_external_data_models_load(tmp_path) -> None:
     g = load(path)
     weights = numpy_helper.to_array(next(t for t in g.model.graph.initializer if t.name == "w1"))
     assert weights.shape == (8, 16) and np.isfinite(weights).all()
+
+
+def test_a_bfloat16_model_is_planned_as_one_that_trains_in_bfloat16() -> None:
+    """numpy holds bfloat16 as a type of its own kind (ml_dtypes), not a floating one: its weights were not weights, its
+    loss no loss and its compute priced at the float32 rate (a 15x slower peak on an H100), with no gradients or
+    optimizer state in memory."""
+    from onnxpipe.cost import annotate
+    from onnxpipe.plan import Assignment, build_problem, evaluate
+    from onnxpipe.pricing.problem import dominant_dtype
+    from onnxpipe.target import load_target
+
+    vi = helper.make_tensor_value_info
+    n = 2048
+    weights = [numpy_helper.from_array(np.full((n, n), 0.01, np.float32).astype("bfloat16"), f"w{i}") for i in range(2)]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"], name="mm0"), helper.make_node("MatMul", ["h", "w1"], ["y"], name="mm1"),
+             helper.make_node("ReduceMean", ["y"], ["loss"], name="mean", keepdims=0)]
+    model = helper.make_model(helper.make_graph(nodes, "bf16", [vi("x", TensorProto.BFLOAT16, [n, n])], [vi("loss", TensorProto.BFLOAT16, [])],
+                                                weights), opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    graph = load(model)
+    assert graph.trained == ("w0", "w1") and graph.loss == "loss" and dominant_dtype(graph) == "bfloat16"
+    target, costs = load_target("h100x8"), annotate(graph)
+    problem = build_problem(graph, costs, target, batch=n, microbatches=1, optimizer="adam")
+    priced = evaluate(problem, Assignment((graph.compute_nodes,), ((target.devices[0].name,),), (False,)))
+    assert priced.stages[0].memory.optimizer == 2 * 2 * n * n * 2  # two moments of two bfloat16 weights
+    at_float32 = build_problem(graph, costs, target, batch=n, microbatches=1, optimizer="adam", dtype="float32")
+    assert problem.forward[0, 0] * 5 < at_float32.forward[0, 0]  # the bfloat16 peak (989 TFLOP/s), not float32's (67)

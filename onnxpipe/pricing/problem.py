@@ -19,7 +19,7 @@ from onnxpipe.cost import Costs, NodeCost, weight_owners
 from onnxpipe.cost_layout import NCHWC
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
-from onnxpipe.nodes import draws_random
+from onnxpipe.nodes import draws_random, is_float_dtype
 from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
 from onnxpipe.quantized import dequantized_source
 from onnxpipe.target import Device, Target
@@ -212,7 +212,7 @@ def dominant_dtype(graph: Graph) -> str:
     weights: Counter[str] = Counter()
     for name in graph.parameters or tuple(graph.tensors):
         info = graph.tensors[name]
-        if np.issubdtype(np.dtype(info.dtype), np.floating):
+        if is_float_dtype(info.dtype):
             weights[info.dtype] += info.nbytes
     return weights.most_common(1)[0][0] if weights else "float32"
 

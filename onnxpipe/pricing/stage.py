@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from onnxpipe.graph import FLOAT_DTYPES
+from onnxpipe.nodes import FLOAT_DTYPES
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.timemodel import allreduce_seconds
 from onnxpipe.target import Target

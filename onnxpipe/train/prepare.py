@@ -13,12 +13,11 @@ from pathlib import Path
 import onnx
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.graph import FLOAT_DTYPES
 from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.schedule import SCHEDULES, Action, Table, add_communication, build, forward_only, replicate, table
 from onnxpipe.target import load_target
-from onnxpipe.nodes import draws_random, trained_initializers
+from onnxpipe.nodes import FLOAT_DTYPES, draws_random, trained_initializers
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
