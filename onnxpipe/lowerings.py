@@ -15,6 +15,9 @@ rounding); the others move or sum the same elements. Nodes they write are named 
   in its input and acts on each axis alone, so its matrix per axis is onnxruntime's own Resize of an identity
   matrix, with the node's attributes: every mode and rounding rule as onnxruntime computes it. Static shapes only
   (stage files have them).
+- A grouped Conv (group > 1) over one spatial axis -> the same Conv over [N, C, 1, L]; over three -> a Conv per group,
+  concatenated: onnxruntime-training 1.19.2's CPU ConvGrad writes such a conv's input gradient past its buffer (the 2-D
+  path is right), which silently corrupted the neighbouring gradient (wav2vec2's and Conformer's grouped Conv1d).
 - Einsum of one or two operands -> Transpose, ReduceSum, Reshape and MatMul (`onnxpipe.einsum`): onnxruntime-training
   1.19.2 has no Einsum gradient, and both torch exporters keep `torch.einsum` as Einsum.
 - DepthToSpace and SpaceToDepth (PixelShuffle) -> Reshape, Transpose, Reshape, as the spec defines them; ReduceMax,
@@ -28,7 +31,7 @@ rounding); the others move or sum the same elements. Nodes they write are named 
   ReduceMean's axes as an attribute, which opset 18 removed, so the session fails to load. The output differs from
   the float16 kernel's by float16 rounding (a unit in the last place).
 
-Reading order: `PER_NODE` (at the end) -> `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_einsum` -> `_depth_to_space`
+Reading order: `PER_NODE` (at the end) -> `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_grouped_conv` -> `_einsum` -> `_depth_to_space`
 -> `_reduce_extreme` -> `_sum_mean` -> `_cumsum` -> `_recurrent` -> `_float32_layer_norm`.
 """
 
@@ -43,6 +46,7 @@ from onnx import helper, numpy_helper
 
 from onnxpipe.einsum import lowered
 from onnxpipe.gradprobe import FLOAT_TYPES
+from onnxpipe.nodebuilder import NodeBuilder
 from onnxpipe.ortutil import cpu_session
 from onnxpipe.recurrent import UNROLLED_OPS, unrolled
 
@@ -266,6 +270,36 @@ def _conv_transpose(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
     return "ConvTranspose -> MatMul by spacing matrices, Conv", new
 
 
+def _grouped_conv(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                  consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
+    """A grouped Conv over one spatial axis as the same Conv over [N, C, 1, L]; over three, one Conv per group,
+    concatenated: onnxruntime-training 1.19.2's CPU ConvGrad, for a group > 1 and a kernel rank other than 2, writes
+    the input gradient of each group over all C channels' room (C / group in the 2-D path), past its buffer, into
+    whatever the memory plan put after it (a weight gradient came out zeros)."""
+    attrs, dtype, (w_shape,) = _read(node, types, node.input[1])
+    group = int(attrs.get("group", 1))  # type: ignore[call-overload]
+    if group <= 1 or dtype is None or w_shape is None or len(w_shape) not in (3, 5):
+        return None
+    b = NodeBuilder(graph, node_base(node, "conv"), opset)
+    if len(w_shape) == 3:
+        wide = {**attrs, **{k: [1, *attrs[k]] for k in ("kernel_shape", "strides", "dilations") if k in attrs}}  # type: ignore[list-item]
+        if "pads" in attrs:
+            begin, end = attrs["pads"]  # type: ignore[misc]
+            wide["pads"] = [0, begin, 0, end]
+        inputs = [b.unsqueeze(node.input[0], 2), b.unsqueeze(node.input[1], 2), *node.input[2:]]
+        b.squeeze(b.op("Conv", inputs, **wide), 2, node.output[0])
+        return "grouped Conv over one axis -> Conv over two", b.nodes
+    channels = _static_shape(types, node.input[0])
+    if channels is None:
+        return None
+    xs = b.split(node.input[0], [channels[1] // group] * group, 1)
+    ws = b.split(node.input[1], [w_shape[0] // group] * group, 0)
+    biases = b.split(node.input[2], [w_shape[0] // group] * group, 0) if len(node.input) > 2 and node.input[2] else [None] * group
+    one = {**attrs, "group": 1}
+    b.op("Concat", [b.op("Conv", [x, w, *([bias] if bias else [])], **one) for x, w, bias in zip(xs, ws, biases)], node.output[0], axis=1)
+    return "grouped Conv over three axes -> a Conv per group", b.nodes
+
+
 def _einsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
             consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     if _float_input(node, types) is None:
@@ -402,6 +436,7 @@ PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
     (frozenset({"InstanceNormalization"}), _instance_norm),
     (frozenset({"Resize"}), _resize),
     (frozenset({"ConvTranspose"}), _conv_transpose),
+    (frozenset({"Conv"}), _grouped_conv),
     (frozenset({"Einsum"}), _einsum),
     (frozenset({"DepthToSpace", "SpaceToDepth"}), _depth_to_space),
     (frozenset({"ReduceMax", "ReduceMin", "GlobalMaxPool"}), _reduce_extreme),

@@ -1,5 +1,6 @@
 """Appends nodes and constant initializers under one name prefix: what every lowering that writes several nodes in
-place of one (Einsum, GRU/RNN) needs, so their names never collide with the graph's or each other's."""
+place of one (Einsum, GRU/RNN, grouped Conv) needs, so their names never collide with the graph's or each other's;
+ops whose axes moved from attribute to input (opset 13) written either way."""
 
 from __future__ import annotations
 
@@ -38,3 +39,22 @@ class NodeBuilder:
         name = out or self.name()
         self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=f"{self.prefix}/{op_type}{len(self.nodes)}", **attrs))
         return name
+
+    def unsqueeze(self, x: str, axis: int, out: str | None = None) -> str:
+        if self.opset >= 13:
+            return self.op("Unsqueeze", [x, self.ints([axis])], out)
+        return self.op("Unsqueeze", [x], out, axes=[axis])
+
+    def squeeze(self, x: str, axis: int, out: str | None = None) -> str:
+        if self.opset >= 13:
+            return self.op("Squeeze", [x, self.ints([axis])], out)
+        return self.op("Squeeze", [x], out, axes=[axis])
+
+    def split(self, x: str, sizes: Sequence[int], axis: int) -> list[str]:
+        """x cut into parts of `sizes` along `axis`; the parts' names."""
+        names = [self.name() for _ in sizes]
+        if self.opset >= 13:
+            self.nodes.append(helper.make_node("Split", [x, self.ints(sizes)], names, name=f"{names[0]}/split", axis=axis))
+        else:
+            self.nodes.append(helper.make_node("Split", [x], names, name=f"{names[0]}/split", axis=axis, split=list(sizes)))
+        return names

@@ -36,28 +36,14 @@ class _Builder(NodeBuilder):
         #: The constant 1 a GRU step subtracts its gate from (made once, by `unrolled`).
         self.one = ""
 
-    def unsqueeze(self, x: str, axis: int, out: str | None = None) -> str:
-        if self.opset >= 13:
-            return self.op("Unsqueeze", [x, self.const(np.array([axis], np.int64))], out)
-        return self.op("Unsqueeze", [x], out, axes=[axis])
-
     def pick(self, x: str, index: int, axis: int = 0) -> str:
         """x[index] along `axis`, the axis dropped."""
         return self.op("Gather", [x, self.const(np.array(index, np.int64))], axis=axis)
 
-    def split(self, x: str, sizes: list[int]) -> list[str]:
-        """Equal or given parts along the last axis."""
-        names = [self.name() for _ in sizes]
-        if self.opset >= 13:
-            self.nodes.append(helper.make_node("Split", [x, self.const(np.array(sizes, np.int64))], names, name=f"{names[0]}/split", axis=-1))
-        else:
-            self.nodes.append(helper.make_node("Split", [x], names, name=f"{names[0]}/split", axis=-1, split=sizes))
-        return names
-
 
 def _gru_step(b: _Builder, x_proj: str, h: str, blocks: list[str], biases: list[str | None], before_reset: bool) -> str:
     """One GRU step. x_proj [batch, 3H]: X_t W^T + Wb; blocks: R^T's [H, H] blocks and biases Rb's parts, gates z, r, h."""
-    xz, xr, xh = b.split(x_proj, [b.hidden] * 3)
+    xz, xr, xh = b.split(x_proj, [b.hidden] * 3, -1)
     (rz, rr, rh), (bz, br, bh) = blocks, biases
 
     def recurrent(block: str, bias: str | None, state: str) -> str:
@@ -110,12 +96,12 @@ def unrolled(node: onnx.NodeProto, graph: onnx.GraphProto, x_shape: tuple[int, .
         w_t = b.op("Transpose", [b.pick(w, d)], perm=[1, 0])
         r_t = b.op("Transpose", [b.pick(r, d)], perm=[1, 0])
         projected = b.op("MatMul", [seq, w_t])
-        blocks = b.split(r_t, [hidden] * gates) if gates > 1 else [r_t]  # once per direction, not per step
+        blocks = b.split(r_t, [hidden] * gates, -1) if gates > 1 else [r_t]  # once per direction, not per step
         biases: list[str | None] = [None] * gates
         if bias:
-            w_bias, r_bias = b.split(b.pick(bias, d), [gates * hidden] * 2)
+            w_bias, r_bias = b.split(b.pick(bias, d), [gates * hidden] * 2, -1)
             projected = b.op("Add", [projected, w_bias])
-            biases = list(b.split(r_bias, [hidden] * gates)) if gates > 1 else [r_bias]
+            biases = list(b.split(r_bias, [hidden] * gates, -1)) if gates > 1 else [r_bias]
         h = b.pick(initial, d, axis=1 if layout else 0) if initial else b.const(np.zeros((batch, hidden), dtype))
         states: dict[int, str] = {}
         reverse = direction == "reverse" or d == 1
