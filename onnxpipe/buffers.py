@@ -9,9 +9,12 @@ holds them). Trained, each would give the model degrees of freedom torch's model
 frequencies would move, each GroupNorm group would gain a scale and shift of its own.
 
 A folded tensor is held when every name it was folded from is a graph-local one (no dot: torch names parameters,
-buffers and lifted constants by their dotted module path) or a lifted constant (torch.export names those
-`<module>.lifted_tensor_<k>`: Swin's shifted-window masks); one folded from a parameter (a weight the exporter
-transposed ahead of time) stays trained, and so does one folded from any other dotted name, which may be one.
+buffers and lifted constants by their dotted module path), a lifted constant (torch.export names those
+`<module>.lifted_tensor_<k>`: Swin's shifted-window masks) or, where the file carries the export's graph signature
+(`pkg.torch.export.ExportedProgram.graph_signature`), anything it does not call a PARAMETER (a causal-mask buffer
+folded into the additive mask nn.MultiheadAttention adds: trained, the mask itself moved); one folded from a
+parameter (a weight the exporter transposed ahead of time) stays trained, and so does one folded from any other
+dotted name where there is no signature to tell.
 
 Reading order: `exporter_constants` -> `hold_exporter_constants`.
 """
@@ -19,6 +22,7 @@ Reading order: `exporter_constants` -> `hold_exporter_constants`.
 from __future__ import annotations
 
 import ast
+import re
 
 import onnx
 
@@ -28,6 +32,7 @@ __all__ = ["exporter_constants", "hold_exporter_constants"]
 
 _KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 _FOLDED = "pkg.onnxscript.optimizer.folded_from"
+_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 #: Input kinds of torch.export's graph signature that are not trained.
 _HELD_KINDS = {"BUFFER": "buffer", "CONSTANT_TENSOR": "lifted constant"}
 
@@ -40,7 +45,15 @@ def _sources(value: str) -> list[str] | None:
     return [str(n) for n in names] if isinstance(names, (list, tuple)) else None
 
 
-def _constant_source(name: str) -> bool:
+def _parameters(model: onnx.ModelProto) -> frozenset[str] | None:
+    """The targets the export's graph signature calls PARAMETER (lines `p_x: PARAMETER target='x'`); None without one."""
+    text = next((p.value for p in model.graph.metadata_props if p.key == _SIGNATURE), None)
+    return None if text is None else frozenset(re.findall(r"^\S+: PARAMETER target='([^']+)'", text, re.MULTILINE))
+
+
+def _constant_source(name: str, parameters: frozenset[str] | None) -> bool:
+    if parameters is not None and name not in parameters:
+        return True
     return "." not in name or name.rsplit(".", 1)[1].startswith("lifted_tensor_")
 
 
@@ -48,6 +61,7 @@ def exporter_constants(model: onnx.ModelProto) -> dict[str, str]:
     """Initializer -> why it is held, from the exporter's value_info metadata (read before shape inference
     rewrites the value_info)."""
     inits = {t.name for t in model.graph.initializer}
+    parameters = _parameters(model)
     held: dict[str, str] = {}
     for vi in model.graph.value_info:
         if vi.name not in inits:
@@ -57,7 +71,7 @@ def exporter_constants(model: onnx.ModelProto) -> dict[str, str]:
             held[vi.name] = f"the exporter's {_HELD_KINDS[meta[_KIND]]}"
         elif _FOLDED in meta:
             sources = _sources(meta[_FOLDED])
-            if sources is not None and all(_constant_source(name) for name in sources):
+            if sources is not None and all(_constant_source(name, parameters) for name in sources):
                 held[vi.name] = "folded by the exporter from constants"
     return held
 
