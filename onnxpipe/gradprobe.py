@@ -5,13 +5,13 @@ builder is asked for the gradients of the inputs wanted; the gradient graph must
 whose kernel exists for CUDA only counts as none). The gradient check (`onnxpipe.gradients`) asks this of every
 node on a gradient path, and the rewrites (`onnxpipe.rewrites`) before they expand an op into its ONNX function body.
 
-Reading order: `tensor_types` -> `differentiable` -> `_probe` -> `_tiny_model`.
+Reading order: `tensor_types` -> `differentiable` -> `_signature` -> `_probe` -> `_tiny_model`.
 """
 
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxpipe.ortutil import cpu_session, gradient_model
 from onnxpipe.protostream import raw_nbytes
@@ -22,9 +22,9 @@ __all__ = ["FLOAT_TYPES", "SMALL", "tensor_types", "is_float", "is_sequence", "d
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
 #: Initializers above this many bytes reach the probes without their values (as graph inputs).
 SMALL = 4096
-#: The gradient builder's verdict per (domain, op type, opset, differentiated input slots): a cache,
-#: since every stage of every model asks again and one probe costs milliseconds.
-_VERDICTS: dict[tuple[str, str, int, tuple[int, ...]], bool] = {}
+#: The gradient builder's verdict per node signature (`_signature`): a cache, since every stage of every model asks
+#: again and one probe costs milliseconds.
+_VERDICTS: dict[tuple, bool] = {}
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
@@ -53,13 +53,33 @@ def is_sequence(t: onnx.TypeProto | None) -> bool:
 def differentiable(model: onnx.ModelProto, node: onnx.NodeProto, slots: tuple[int, ...], types: dict[str, onnx.TypeProto], opset: int) -> bool | None:
     """Whether onnxruntime-training gives `node` (of `model`) gradients for its input `slots` that run on the CPU;
     None where a type is unknown (nothing asked)."""
-    key = (node.domain, node.op_type, opset, slots)
+    key = _signature(model, node, slots, types, opset)
     if key not in _VERDICTS:
         tiny = _tiny_model(model, node, slots, types)
         if tiny is None:
             return None
         _VERDICTS[key] = _probe(tiny, {f"{node.input[k]}/probe_in" for k in slots})
     return _VERDICTS[key]
+
+
+def _signature(model: onnx.ModelProto, node: onnx.NodeProto, slots: tuple[int, ...], types: dict[str, onnx.TypeProto], opset: int) -> tuple:
+    """What the verdict depends on: the op, its attributes (Pad has a gradient in constant mode only) and, per input,
+    the value the probe holds it at where it is a constant (Slice's steps), its element type and rank. Not the op
+    type alone: a cache keyed so answered for every Pad what the first one asked got, in every model of the process."""
+    inits = {t.name: t for t in model.graph.initializer}
+    inputs = []
+    for k, name in enumerate(node.input):
+        found = types.get(name)
+        dims = len(found.tensor_type.shape.dim) if found is not None and found.tensor_type.HasField("shape") else None
+        held = _held_constant(inits, name, k, slots)
+        value = (inits[name].data_type, tuple(inits[name].dims), numpy_helper.to_array(inits[name]).tobytes()) if held else None
+        inputs.append((bool(name), value, found.tensor_type.elem_type if found is not None else None, dims))
+    return (node.domain, node.op_type, opset, slots, tuple(sorted(a.SerializeToString() for a in node.attribute)), tuple(inputs))
+
+
+def _held_constant(inits: dict[str, onnx.TensorProto], name: str, k: int, slots: tuple[int, ...]) -> bool:
+    """Whether the probe of a node holds its input `name` (slot `k`) as a constant: a small initializer not differentiated."""
+    return name in inits and k not in slots and raw_nbytes(inits[name]) <= SMALL
 
 
 def _probe(model: onnx.ModelProto, wanted: set[str]) -> bool:
@@ -90,7 +110,7 @@ def _tiny_model(model: onnx.ModelProto, node: onnx.NodeProto, slots: tuple[int, 
         if not name or name in seen:
             continue
         seen.add(name)
-        if name in inits and k not in slots and raw_nbytes(inits[name]) <= SMALL:
+        if _held_constant(inits, name, k, slots):
             initializers.append(inits[name])
         elif name in types:
             # differentiated inputs pass an Identity: the builder writes `<input>_grad` twice for a
