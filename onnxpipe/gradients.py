@@ -51,10 +51,17 @@ def missing_gradients(model: onnx.ModelProto, trained: Iterable[str] | None = No
             continue
         live.update(outs)
         if node.op_type in REWRITTEN_OPS and node.domain in ("", "ai.onnx"):
+            if _backward_lstm(node):  # LSTMGrad refuses it ("only supports the forward direction"); not unrolled here
+                bad.setdefault(node.op_type, []).append(node.name or node.op_type)
             continue  # differentiable after onnxruntime's own pre-training rewrites, which training runs
         if differentiable(model, node, slots, types, opset) is False:
             bad.setdefault(node.op_type, []).append(node.name or node.op_type)
     return tuple(MissingGradient(op, tuple(nodes)) for op, nodes in bad.items())
+
+
+def _backward_lstm(node: onnx.NodeProto) -> bool:
+    """An LSTM over the sequence backwards (reverse or bidirectional): onnxruntime-training's LSTMGrad runs forward ones only."""
+    return node.op_type == "LSTM" and any(a.name == "direction" and a.s != b"forward" for a in node.attribute)
 
 
 def _light(model: onnx.ModelProto) -> onnx.ModelProto:
