@@ -8,8 +8,10 @@ values are known (`shapes.infer` folded them); here the nodes are replaced by th
 never folded (a Transpose of a weight stays a constant chain, so training still updates the weight),
 nor are values that would look like weights (float tensors of more than one element stay computed), nor
 quantization nodes (a DequantizeLinear of an int8 scalar stays one, so the stages keep the model's quantization).
+Nodes whose outputs then reach no graph output are dropped: the TorchScript export of F.mse_loss adds its input to a
+fill only to read the sum's Shape, which folding makes a constant, and a stage would compute that sum and send it on.
 
-Reading order: `clean` -> `_fold` -> `_drop_identities`.
+Reading order: `clean` -> `_fold` -> `_drop_identities` -> `_drop_dead`.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ class Cleaned:
     folded: tuple[str, ...]
     #: Identity nodes removed, by name -> the tensor their readers now read.
     identities: Mapping[str, str]
+    #: Nodes removed because nothing they compute reaches a graph output.
+    dead: tuple[str, ...] = ()
 
 
 def clean(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> Cleaned:
     """Replace the folded nodes that read no weight and compute no weight-like value by their values,
-    then remove Identity nodes between activations."""
+    then remove Identity nodes between activations and nodes whose outputs reach no graph output."""
     taken = _fold(model, folded, folded_nodes)
     identities = _drop_identities(model)
-    return Cleaned(model, taken, identities)
+    return Cleaned(model, taken, identities, _drop_dead(model))
 
 
 def _fold(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> tuple[str, ...]:
@@ -106,6 +110,30 @@ def _drop_identities(model: onnx.ModelProto) -> dict[str, str]:
     del graph.value_info[:]
     graph.value_info.extend(infos)
     return removed
+
+
+def _drop_dead(model: onnx.ModelProto) -> tuple[str, ...]:
+    """Nodes none of whose outputs a kept node reads (its subgraphs' captures included) or the graph returns, removed,
+    with the initializers only they read."""
+    graph = model.graph
+    needed = {o.name for o in graph.output}
+    kept, dead = [], []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output if o):
+            kept.append(node)
+            needed.update(i for i in [*node.input, *_captures(node)] if i)
+        else:
+            dead.append(node.name)
+    if not dead:
+        return ()
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    unread = {t.name for t in graph.initializer} - needed
+    for field in (graph.initializer, graph.input):  # an initializer of an old IR is listed among the inputs too
+        left = [v for v in field if v.name not in unread]
+        del field[:]
+        field.extend(left)
+    return tuple(reversed(dead))
 
 
 def _captures(node: onnx.NodeProto) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import onnx
@@ -12,7 +13,7 @@ from onnx import helper, numpy_helper
 
 from onnxpipe.ortutil import state_inputs
 
-__all__ = ["FLOAT_DTYPES", "is_float_dtype", "subgraph_captures", "has_subgraph", "draws_random", "is_weight", "trained_initializers", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
+__all__ = ["FLOAT_DTYPES", "is_float_dtype", "subgraph_captures", "has_subgraph", "draws_random", "is_weight", "trained_initializers", "differentiable_from", "HELD", "hold", "is_held", "RANDOM_OPS", "QUANTIZATION_OPS"]
 
 #: Ops whose outputs differ per run even with constant inputs: never constant-folded or duplicated.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -107,6 +108,18 @@ def hold(tensor: onnx.TensorProto, why: str) -> None:
 
 def is_held(tensor: onnx.TensorProto) -> bool:
     return any(p.key == HELD for p in tensor.metadata_props)
+
+
+def differentiable_from(graph: onnx.GraphProto, targets: Iterable[str]) -> frozenset[str]:
+    """Every tensor a gradient of one of `targets` can flow back to: the targets, and each input a node reads at a slot
+    the spec calls differentiable where one of its outputs is such a tensor (a float a stage receives that feeds only an
+    Expand's shape gets none: the gradient builder refuses to make one)."""
+    reached = set(targets)
+    for node in reversed(graph.node):
+        if any(o in reached for o in node.output if o):
+            domain = node.domain if node.domain != "ai.onnx" else ""
+            reached.update(name for slot, name in enumerate(node.input) if name and not _non_differentiable(domain, node.op_type, slot))
+    return frozenset(reached)
 
 
 def trained_initializers(graph: onnx.GraphProto) -> frozenset[str]:

@@ -95,12 +95,33 @@ def test_constant_chains_are_told_apart_from_activations() -> None:
     model.graph.node.insert(0, helper.make_node("Mul", ["ends", "axes"], ["ends2"], name="fold"))
     model.graph.node.insert(1, helper.make_node("ConstantOfShape", ["ends2"], ["zeros"], name="zeros_of"))
     model.graph.node.append(helper.make_node("Add", ["zeros", "y"], ["y_plus"], name="use_zeros"))
+    model.graph.output[0].name = "y_plus"
     g = load(model)
     assert "fold" not in g.order and "ends2" in g.initializers
     assert "zeros_of" in g.constant_nodes and g.tensors["zeros"].shape == (3,)
     assert {"zeros", "w1"} <= g.constants and "zeros" not in g.parameters
     assert "h" not in g.constants
     assert "zeros_of" not in g.compute_nodes
+
+
+def test_nodes_whose_outputs_reach_no_output_once_shapes_fold_are_dropped() -> None:
+    """The TorchScript export of F.mse_loss adds its input to a fill only to read the sum's Shape: folded, the sum feeds
+    nothing, and a stage would compute it and send it on (a later stage then asked a gradient of it, which onnxruntime
+    refused as unreachable). It is dropped with the weight only it read; what the model computes is unchanged."""
+    from onnxpipe.ortutil import cpu_session
+
+    model = _mlp()
+    model.ir_version = 8
+    model.graph.initializer.append(numpy_helper.from_array(np.ones((4, 3), np.float32), "bias_only_dead"))
+    model.graph.node.extend([helper.make_node("Add", ["y", "bias_only_dead"], ["broadcast"], name="dead_sum"),
+                             helper.make_node("Shape", ["broadcast"], ["broadcast_shape"], name="dead_shape"),
+                             helper.make_node("Expand", ["z", "broadcast_shape"], ["z_out"], name="expand")])
+    model.graph.output[0].name = "z_out"
+    g = load(model)
+    assert "dead_sum" not in g.order and "bias_only_dead" not in g.initializers and "expand" in g.compute_nodes
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    want = cpu_session(model.SerializeToString()).run(["z_out"], {"x": x})[0]
+    np.testing.assert_array_equal(cpu_session(g.model.SerializeToString()).run(["z_out"], {"x": x})[0], want)
 
 
 def test_unnamed_and_duplicate_node_names_are_made_unique_and_order_is_deterministic() -> None:

@@ -696,3 +696,33 @@ def test_a_stage_that_draws_random_numbers_is_never_recomputed() -> None:
     assert [s.graphs.recompute for s in specs if s not in drops] == [True]  # the other stage recomputes as planned
     with pytest.raises(OnnxpipeError, match=r"^stage \d draws random numbers \(drop: .*use --recompute auto or never$"):
         prepare_stages(_TMP / "dropout-2", manifest, dataclasses.replace(config, recompute="always"))
+
+
+def _bound_by_a_float() -> onnx.ModelProto:
+    """h = x @ w; m = ReduceMean(h), a float; y = Clip(h, max=m) -> Relu x 3. Cut after m (three stages of two nodes),
+    the second stage receives m, which it reads only as Clip's bound, where the spec says no gradient flows."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.random.default_rng(4).standard_normal((4, 4)).astype(np.float32), "w")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("ReduceMean", ["h"], ["m"], name="mean", keepdims=0),
+             helper.make_node("Clip", ["h", "", "m"], ["c"], name="clip"), helper.make_node("Relu", ["c"], ["y"], name="act"),
+             helper.make_node("Relu", ["y"], ["y2"], name="act2"), helper.make_node("Relu", ["y2"], ["y3"], name="act3")]
+    graph = helper.make_graph(nodes, "bound", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y3", TensorProto.FLOAT, [2, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_stage_input_no_gradient_flows_back_through_gets_none() -> None:
+    """Only inputs a gradient flows back through are asked for (before, every float one was: the bound got a gradient of
+    zeros, computed and sent back each micro-batch, and an input read by nothing that reaches the loss made
+    onnxruntime-training refuse the stage); the stage that sent it waits for none either. Losses as unpartitioned."""
+    graph = load(_bound_by_a_float())
+    manifest = split(graph, even_plan(graph, 3), _TMP / "bound-3", force=True)
+    assert {i.name for i in manifest.stages[1].inputs} == {"h", "m"}
+    config = TrainConfig(microbatches=2, loss=LossSpec("mse", "y3"), optimizer=OptimizerConfig("sgd", lr=0.1))
+    specs = prepare_stages(_TMP / "bound-3", manifest, config)
+    assert specs[1].graphs.grad_inputs == ("h",)
+    source = SyntheticData(model_inputs(manifest, config), 2, {}, seed=1)
+    batch = split_microbatches(source.batch(0), model_inputs(manifest, config), 2)
+    ref = LocalPipeline([prepare_single(graph.model, config)])
+    assert LocalPipeline(specs).train_step(batch) == pytest.approx(ref.train_step(batch), rel=1e-6)

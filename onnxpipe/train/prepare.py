@@ -17,7 +17,7 @@ from onnxpipe.manifest import Manifest, Stage, StageInput
 from onnxpipe.protostream import load_weights, read_model, weights_dir
 from onnxpipe.schedule import SCHEDULES, Action, Table, add_communication, build, forward_only, replicate, table
 from onnxpipe.target import load_target
-from onnxpipe.nodes import FLOAT_DTYPES, draws_random, trained_initializers
+from onnxpipe.nodes import FLOAT_DTYPES, differentiable_from, draws_random, trained_initializers
 from onnxpipe.train.graphs import StageGraphs, build_stage_graphs
 from onnxpipe.train.layout import Layout
 from onnxpipe.train.loss import LossSpec, append_loss, labels_info
@@ -112,9 +112,10 @@ def prepare_stages(directory: str | Path, manifest: Manifest, config: TrainConfi
                 raise OnnxpipeError(f"stage {st.index} draws random numbers ({', '.join(random[:3])}: Dropout in training mode or a random op): "
                                     "recomputing its forward in the backward would draw other masks than its loss saw; use --recompute auto or never")
             recompute = False
-        grad_inputs = [i.name for i in st.inputs if isinstance(i.source, int) and i.dtype in FLOAT_DTYPES]
         grad_outputs = [o.name for o in st.outputs if o.name in grad_readers]
         has_loss = loss in {o.name for o in model.graph.output}
+        reached = differentiable_from(model.graph, [*grad_outputs, *([loss] if has_loss else [])])
+        grad_inputs = [i.name for i in st.inputs if isinstance(i.source, int) and i.dtype in FLOAT_DTYPES and i.name in reached]
         g = build_stage_graphs(
             model, params=st.parameters, grad_inputs=grad_inputs, grad_outputs=grad_outputs,
             loss=loss if has_loss else None, recompute=recompute, origin=f"stage {st.index} ({st.file})",
