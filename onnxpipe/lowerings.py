@@ -18,6 +18,9 @@ rounding); the others move or sum the same elements. Nodes they write are named 
 - A grouped Conv (group > 1) over one spatial axis -> the same Conv over [N, C, 1, L]; over three -> a Conv per group,
   concatenated: onnxruntime-training 1.19.2's CPU ConvGrad writes such a conv's input gradient past its buffer (the 2-D
   path is right), which silently corrupted the neighbouring gradient (wav2vec2's and Conformer's grouped Conv1d).
+- Slice with a negative step (torch.flip) -> Gather of the positions it takes: onnxruntime-training 1.19.2's SliceGrad
+  fails at run time on it. Pad in reflect, edge or wrap mode (F.pad's reflect, replicate, circular) -> Concat of Gathers
+  of the positions it copies: only constant mode has a gradient.
 - Einsum of one or two operands -> Transpose, ReduceSum, Reshape and MatMul (`onnxpipe.einsum`): onnxruntime-training
   1.19.2 has no Einsum gradient, and both torch exporters keep `torch.einsum` as Einsum.
 - DepthToSpace and SpaceToDepth (PixelShuffle) -> Reshape, Transpose, Reshape, as the spec defines them; ReduceMax,
@@ -25,13 +28,14 @@ rounding); the others move or sum the same elements. Nodes they write are named 
   any of them (static shapes). Sum and Mean of several tensors -> Adds; CumSum -> MatMul by a
   triangular matrix along its axis (neither has a gradient there either).
 - GRU and RNN (static sequence length) -> their steps unrolled (`onnxpipe.recurrent`): onnxruntime-training 1.19.2
-  has no gradient for either.
+  has no gradient for either; so are reverse and bidirectional LSTMs, whose LSTMGrad it refuses.
 - LayerNormalization of float16 or bfloat16 at opset >= 18 -> Cast to float32, LayerNormalization, Cast back:
   onnxruntime's CPU gradient kernel is float32-only, and the function body it falls back to for other types reads
   ReduceMean's axes as an attribute, which opset 18 removed, so the session fails to load. The output differs from
   the float16 kernel's by float16 rounding (a unit in the last place).
 
-Reading order: `PER_NODE` (at the end) -> `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_grouped_conv` -> `_einsum` -> `_depth_to_space`
+Reading order: `PER_NODE` (at the end) -> `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_grouped_conv` -> `_negative_slice`
+-> `_padded_by_copies` -> `_einsum` -> `_depth_to_space`
 -> `_reduce_extreme` -> `_sum_mean` -> `_cumsum` -> `_recurrent` -> `_float32_layer_norm`.
 """
 
@@ -300,6 +304,78 @@ def _grouped_conv(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], ops
     return "grouped Conv over three axes -> a Conv per group", b.nodes
 
 
+def _slice_indices(dim: int, start: int, end: int, step: int) -> list[int]:
+    """The positions ONNX's Slice takes along an axis of length `dim` (negatives counted from the end, then clamped)."""
+    start, end = start + dim if start < 0 else start, end + dim if end < 0 else end
+    if step > 0:
+        return list(range(min(max(start, 0), dim), min(max(end, 0), dim), step))
+    return list(range(min(max(start, 0), dim - 1), min(max(end, -1), dim - 1), step))
+
+
+def _negative_slice(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                    consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
+    """A Slice with a negative step (torch.flip) as a Gather of the positions it takes along each sliced axis:
+    onnxruntime-training 1.19.2's SliceGrad, built and loaded, fails at run time ("narrowing_error"; seen with the
+    negative step on the last axis, the rest not mapped out, so every negative step is written so)."""
+    _, dtype, (shape,) = _read(node, types, node.input[0])
+    if opset < 10 or dtype is None or shape is None or len(node.input) < 5 or not node.input[4]:
+        return None
+    found = [consts.get(name) if name else None for name in node.input[1:5]]
+    if any(v is None for v in found) or not (found[3] < 0).any():  # type: ignore[operator]
+        return None
+    starts, ends, axes, steps = (np.atleast_1d(v).astype(np.int64).tolist() for v in found)  # type: ignore[union-attr]
+    b = NodeBuilder(graph, node_base(node, "gather"), opset)
+    current = node.input[0]
+    for k, (axis, start, end, step) in enumerate(zip(axes, starts, ends, steps)):
+        axis %= len(shape)
+        out = node.output[0] if k == len(axes) - 1 else None
+        current = b.op("Gather", [current, b.ints(_slice_indices(shape[axis], start, end, step))], out, axis=axis)
+    return "Slice with a negative step -> Gather", b.nodes
+
+
+#: Pad's modes other than constant -> the positions (of an axis of length n) the p elements before and after it repeat.
+_PAD_SOURCES: dict[bytes, Callable[[int, int, int], tuple[list[int], list[int]]]] = {
+    b"reflect": lambda n, before, after: (list(range(before, 0, -1)), list(range(n - 2, n - 2 - after, -1))),
+    b"edge": lambda n, before, after: ([0] * before, [n - 1] * after),
+    b"wrap": lambda n, before, after: (list(range(n - before, n)), list(range(after))),
+}
+
+
+def _padded_by_copies(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                      consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
+    """Pad in reflect, edge or wrap mode as a Concat, along each padded axis, of Gathers of the elements it repeats and
+    the input: onnxruntime-training 1.19.2 differentiates Pad in constant mode only (F.pad(mode="reflect"), and
+    "replicate", which exports as edge)."""
+    attrs, dtype, (shape,) = _read(node, types, node.input[0])
+    mode = attrs.get("mode", b"constant")
+    pads = consts.get(node.input[1]) if opset >= 11 and len(node.input) > 1 else np.array(attrs.get("pads", []))
+    if dtype is None or shape is None or mode not in _PAD_SOURCES or pads is None or (pads < 0).any():
+        return None
+    rank = len(shape)
+    axes = list(range(rank))
+    if len(node.input) > 3 and node.input[3]:
+        given = consts.get(node.input[3])
+        if given is None:
+            return None
+        axes = [int(a) % rank for a in np.atleast_1d(given)]
+    if len(pads) != 2 * len(axes):
+        return None
+    b = NodeBuilder(graph, node_base(node, "pad"), opset)
+    current, lengths = node.input[0], list(shape)
+    padded = [(axis, int(pads[i]), int(pads[len(axes) + i])) for i, axis in enumerate(axes) if pads[i] or pads[len(axes) + i]]
+    if any(mode == b"reflect" and max(before, after) >= lengths[axis] for axis, before, after in padded):
+        return None  # reflecting needs more elements than the axis has
+    for k, (axis, before, after) in enumerate(padded):
+        left, right = _PAD_SOURCES[mode](lengths[axis], before, after)
+        parts = [b.op("Gather", [current, b.ints(left)], axis=axis)] if left else []
+        parts += [current] + ([b.op("Gather", [current, b.ints(right)], axis=axis)] if right else [])
+        current = b.op("Concat", parts, node.output[0] if k == len(padded) - 1 else None, axis=axis)
+        lengths[axis] += before + after
+    if not padded:
+        b.op("Identity", [current], node.output[0])
+    return f"Pad in {mode.decode()} mode -> Concat of Gathers", b.nodes  # type: ignore[union-attr]
+
+
 def _einsum(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
             consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     if _float_input(node, types) is None:
@@ -437,6 +513,8 @@ PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
     (frozenset({"Resize"}), _resize),
     (frozenset({"ConvTranspose"}), _conv_transpose),
     (frozenset({"Conv"}), _grouped_conv),
+    (frozenset({"Slice"}), _negative_slice),
+    (frozenset({"Pad"}), _padded_by_copies),
     (frozenset({"Einsum"}), _einsum),
     (frozenset({"DepthToSpace", "SpaceToDepth"}), _depth_to_space),
     (frozenset({"ReduceMax", "ReduceMin", "GlobalMaxPool"}), _reduce_extreme),

@@ -17,7 +17,8 @@ user's ops. The first three keep every forward value bit-identical (they only mo
   Elu, Selu, Celu, Softplus, Mish, PRelu, ...) -> its function body (`onnxpipe.expand`), asked of the gradient probe
   (`onnxpipe.gradprobe`) node type by node type; last in each round of rewrites, which repeat while any applies
   (bodies use CastLike and broadcast Where).
-- The per-node rewrites of `onnxpipe.lowerings` (InstanceNormalization, Resize, ConvTranspose, grouped Conv, Einsum, DepthToSpace,
+- The per-node rewrites of `onnxpipe.lowerings` (InstanceNormalization, Resize, ConvTranspose, grouped Conv, Slice with a
+  negative step, Pad in reflect/edge/wrap mode, Einsum, DepthToSpace,
   ReduceMax/Min, Sum/Mean, CumSum, GRU/RNN, float16 LayerNormalization), one node at a time (`_each_node`).
 
 Reading order: `Rewrite` -> `for_gradient_builder` -> `rewrite_for_training` -> `_split_to_sequence` -> `_cast_like`

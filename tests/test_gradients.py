@@ -440,6 +440,51 @@ def test_a_stage_ending_in_a_grouped_conv1d_trains_as_the_unpartitioned_model() 
     assert diffs["max_loss_rel_diff"] < 1e-6 and diffs["max_weight_abs_diff"] < 1e-6
 
 
+PADS = [  # (mode, pads, x shape, y shape)
+    ("reflect", [0, 0, 1, 2, 0, 0, 2, 1], [2, 3, 4, 5], [2, 3, 7, 8]),  # F.pad(mode="reflect")
+    ("edge", [0, 1, 2, 0, 1, 0], [2, 3, 4], [2, 5, 6]),  # F.pad(mode="replicate")
+    ("wrap", [0, 0, 0, 3], [2, 5], [2, 8]),  # F.pad(mode="circular")
+]
+
+
+@pytest.mark.parametrize("mode,pads,x_shape,y_shape", PADS, ids=[p[0] for p in PADS])
+def test_pad_in_reflect_edge_and_wrap_mode_trains_as_gathers(mode: str, pads: list[int], x_shape: list[int], y_shape: list[int]) -> None:
+    """onnxruntime-training 1.19.2 differentiates Pad in constant mode only: the other modes copy elements, so a Concat of
+    Gathers of the copied positions computes the same values exactly and trains."""
+    inits = [numpy_helper.from_array(np.array(pads, np.int64), "pads")]
+    model = _linear_op_model(helper.make_node("Pad", ["scaled", "pads"], ["y"], name="pad", mode=mode), x_shape, inits, y_shape)
+    _assert_rewritten_like_the_op(model, f"Pad in {mode} mode -> Concat of Gathers", ("w",), exact=True)
+
+
+def test_the_gradient_probe_tells_pads_of_one_mode_from_another() -> None:
+    """Its verdicts are cached by what they depend on: the attributes and constant inputs too, not the op type alone,
+    under which the first Pad's verdict answered for every Pad of every model the process loaded after it."""
+    from onnxpipe.gradprobe import differentiable, tensor_types
+
+    verdicts = {}
+    for mode in ("reflect", "constant", "edge"):
+        model = _linear_op_model(helper.make_node("Pad", ["scaled", "pads"], ["y"], name="pad", mode=mode), [2, 5],
+                                 [numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64), "pads")], [2, 7])
+        verdicts[mode] = differentiable(model, model.graph.node[1], (0,), tensor_types(model), 19)
+    assert verdicts == {"reflect": False, "constant": True, "edge": False}
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [([-1], [-2**63 + 1], [2], [-1]), ([0, 4], [5, 0], [1, 2], [2, -2])],
+                         ids=["flip", "strided"])
+def test_slice_with_a_negative_step_trains_as_a_gather(starts: list[int], ends: list[int], axes: list[int], steps: list[int]) -> None:
+    """torch.flip exports as a Slice of step -1 from the end to INT64_MIN: onnxruntime-training 1.19.2 builds and loads
+    its SliceGrad, which then fails at run time where the negative step is on the last axis ("narrowing_error")."""
+    x_shape = [2, 6, 5]
+    y_shape = [len(range(*slice(s, e if e > -2**62 else None, p).indices(x_shape[a]))) if a in axes else x_shape[a]
+               for a, (s, e, p) in ((a, next(((s, e, p) for s, e, ax, p in zip(starts, ends, axes, steps) if ax == a), (0, 0, 1))) for a in range(3))]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps))]
+    model = _linear_op_model(helper.make_node("Slice", ["scaled", "starts", "ends", "axes", "steps"], ["y"], name="slice"), x_shape, inits, y_shape)
+    grad = gradient_model(model.SerializeToString(), "loss", {"w"})
+    with pytest.raises(Exception, match="narrowing_error"):
+        cpu_session(grad.SerializeToString(), optimize=False).run(["w_grad"], {"x": np.ones(x_shape, np.float32)})
+    _assert_rewritten_like_the_op(model, "Slice with a negative step -> Gather", ("w",), exact=True)
+
+
 RECURRENT = [  # (op, attributes, bias, initial state)
     ("GRU", {"linear_before_reset": 0}, True, False),
     ("GRU", {"linear_before_reset": 1, "direction": "reverse", "layout": 1}, False, True),
@@ -498,6 +543,59 @@ def test_gru_and_rnn_unrolled_compute_the_op_and_train(op: str, attrs: dict, bia
     trained = {"w", "r"} | ({"b"} if bias else set()) | ({"h0"} if initial else set())
     grads = cpu_session(gradient_model(rewritten.SerializeToString(), "loss", trained).SerializeToString()).run([f"{t}_grad" for t in sorted(trained)], {"x": x})
     assert all(np.abs(g).sum() > 0 for g in grads)
+
+
+def _lstm(direction: str, peepholes: bool, lengths: bool = False) -> onnx.ModelProto:
+    """An LSTM (initial states, bias, optionally peepholes or sequence lengths) whose three outputs sum into the loss."""
+    seq, batch, inputs, hidden, dirs = 5, 2, 3, 4, 2 if direction == "bidirectional" else 1
+    shapes = {"w": (dirs, 4 * hidden, inputs), "r": (dirs, 4 * hidden, hidden), "b": (dirs, 8 * hidden), "h0": (dirs, batch, hidden),
+              "c0": (dirs, batch, hidden), "p": (dirs, 3 * hidden)}
+    inits = [numpy_helper.from_array((RNG.normal(size=shape) / 2).astype(np.float32), name) for name, shape in shapes.items()
+             if name != "p" or peepholes]
+    if lengths:
+        inits.append(numpy_helper.from_array(np.full(batch, seq, np.int32), "len"))
+    names = ["x", "w", "r", "b", "len" if lengths else "", "h0", "c0", "p" if peepholes else ""]
+    nodes = [helper.make_node("LSTM", names, ["y", "y_h", "y_c"], name="lstm", hidden_size=hidden, direction=direction),
+             *(helper.make_node("ReduceSum", [o], [f"s{o}"], name=f"s{o}", keepdims=0) for o in ("y", "y_h", "y_c")),
+             helper.make_node("Add", ["sy", "sy_h"], ["s2"], name="a2"), helper.make_node("Add", ["s2", "sy_c"], ["loss"], name="loss")]
+    outs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []), helper.make_tensor_value_info("y", TensorProto.FLOAT, [seq, dirs, batch, hidden]),
+            *(helper.make_tensor_value_info(o, TensorProto.FLOAT, [dirs, batch, hidden]) for o in ("y_h", "y_c"))]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, batch, inputs])], outs, inits)
+
+
+@pytest.mark.parametrize("direction,peepholes", [("bidirectional", False), ("reverse", True), ("bidirectional", True)])
+def test_backward_lstm_unrolled_computes_the_op_and_trains(direction: str, peepholes: bool) -> None:
+    """onnxruntime-training 1.19.2's LSTMGrad runs forward LSTMs only (torch's bidirectional=True failed to load with
+    an internal error): reverse and bidirectional ones are unrolled, compute onnxruntime's LSTM values (all three
+    outputs) and every weight, bias, initial state and peephole gets the gradient central differences give."""
+    model = _lstm(direction, peepholes)
+    rewritten, done = rewrite_for_training(model)
+    assert [r.pattern for r in done] == ["LSTM -> its steps unrolled"]
+    x = RNG.normal(size=(5, 2, 3)).astype(np.float32)
+    for got, want in zip(cpu_session(rewritten.SerializeToString()).run(["y", "y_h", "y_c"], {"x": x}),
+                         cpu_session(model.SerializeToString()).run(["y", "y_h", "y_c"], {"x": x})):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    trained = sorted(t.name for t in model.graph.initializer)
+    grads = dict(zip(trained, cpu_session(gradient_model(rewritten.SerializeToString(), "loss", set(trained)).SerializeToString()).run(
+        [f"{t}_grad" for t in trained], {"x": x})))
+    for t in model.graph.initializer:
+        base = numpy_helper.to_array(t)
+        for flat in RNG.choice(base.size, size=3, replace=False):
+            values = []
+            for sign in (1.0, -1.0):
+                probe = onnx.ModelProto()
+                probe.CopyFrom(model)
+                changed = base.astype(np.float64)
+                changed.flat[flat] += sign * 1e-2
+                next(i for i in probe.graph.initializer if i.name == t.name).CopyFrom(numpy_helper.from_array(changed.astype(np.float32), t.name))
+                values.append(float(cpu_session(probe.SerializeToString()).run(["loss"], {"x": x})[0]))
+            assert grads[t.name].flat[flat] == pytest.approx((values[0] - values[1]) / 2e-2, rel=2e-2, abs=2e-2), (t.name, flat)
+
+
+def test_a_forward_lstm_is_left_to_onnxruntime_and_one_it_cannot_train_is_named() -> None:
+    assert rewrite_for_training(_lstm("forward", False))[1] == ()
+    assert [m.op_type for m in missing_gradients(_lstm("forward", False))] == []
+    assert [(m.op_type, m.nodes) for m in missing_gradients(_lstm("reverse", False, lengths=True))] == [("LSTM", ("lstm",))]
 
 
 EINSUMS = [  # (equation, x shape, kernel shape or None for one operand, output shape)
