@@ -16,19 +16,20 @@ folded into the additive mask nn.MultiheadAttention adds: trained, the mask itse
 parameter (a weight the exporter transposed ahead of time) stays trained, and so does one folded from any other
 dotted name where there is no signature to tell.
 
-Reading order: `exporter_constants` -> `hold_exporter_constants`.
+Reading order: `exporter_constants` -> `hold_exporter_constants` -> `hold_merged_constants`.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Mapping
 
 import onnx
 
 from onnxpipe.nodes import hold
 
-__all__ = ["exporter_constants", "hold_exporter_constants"]
+__all__ = ["exporter_constants", "hold_exporter_constants", "hold_merged_constants"]
 
 _KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 _FOLDED = "pkg.onnxscript.optimizer.folded_from"
@@ -83,3 +84,19 @@ def hold_exporter_constants(model: onnx.ModelProto) -> dict[str, str]:
         if t.name in held:
             hold(t, held[t.name])
     return held
+
+
+def hold_merged_constants(model: onnx.ModelProto, copies: Mapping[str, str]) -> None:
+    """Hold each untied copy (copy -> the module it was made for, `initializers.untie_in_place`) made for a module that the export's
+    graph signature gives no parameter at all: the exporter merges tensors of equal values, so a LayerNorm without
+    affine weights read the ones of an RMSNorm's weight, and its untied copy was trained as a weight the module does
+    not have. A module with parameters keeps its copy trained: a functional call in it (Swin's attention reading its
+    qkv bias) names the module, not the parameter's own."""
+    parameters = _parameters(model)
+    if parameters is None:
+        return
+    owners = {p.rsplit(".", i)[0] for p in parameters for i in range(1, p.count(".") + 1)}
+    made = {c for c, module in copies.items() if c not in parameters and module not in owners}
+    for t in model.graph.initializer:
+        if t.name in made:
+            hold(t, "a constant the exporter merged with a parameter of equal values")

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxpipe.buffers import hold_exporter_constants
+from onnxpipe.buffers import hold_exporter_constants, hold_merged_constants
 from onnxpipe.cleanup import clean
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, tie_copies_in_place, untie_in_place
@@ -200,7 +200,7 @@ def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | 
     model = _normalize(model)
     hold_exporter_constants(model)
     shared = shared_initializers(model, ties or TieChoice(), None if origin == "<memory>" else weights_dir(origin))
-    untie_in_place(model, (s.name for s in shared if s.untied and s.kind != "copy"))
+    hold_merged_constants(model, untie_in_place(model, (s.name for s in shared if s.untied and s.kind != "copy")))
     tie_copies_in_place(model, {s.name: s.of for s in shared if s.kind == "copy" and not s.untied and s.of})
     dims = dict(dims or {})
     _bind_dims(model, dims, origin)

@@ -216,7 +216,7 @@ def _transposed(a: np.ndarray, b: np.ndarray, rows: int = 256) -> bool:
 def untie(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
     """A copy of `model` where each module reading one of `names` reads its own copy of it.
 
-    The first reading module keeps the original name; the others' copies are named after their
+    The module the name belongs to keeps it (else the first reading module); the others' copies are named after their
     module (`<module>.<last part of the name>`, which gives back torch's own parameter names) or,
     without one, `<name>.<k>`. Deterministic, so the same call on the same model names the same copies."""
     out = onnx.ModelProto()
@@ -225,11 +225,12 @@ def untie(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
     return out
 
 
-def untie_in_place(model: onnx.ModelProto, names: Iterable[str]) -> None:
-    """`untie` without the copy (loading a large model holds it once)."""
+def untie_in_place(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, str]:
+    """`untie` without the copy (loading a large model holds it once); the copies made for a module -> the module."""
     wanted = set(names)
     if not wanted:
-        return
+        return {}
+    made: dict[str, str] = {}
     graph = model.graph
     reads = _readers(graph)
     taken = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o for n in graph.node for o in n.output}
@@ -237,7 +238,8 @@ def untie_in_place(model: onnx.ModelProto, names: Iterable[str]) -> None:
     listed = {i.name: i for i in graph.input}
     for name in [t.name for t in graph.initializer if t.name in wanted]:
         groups: dict[object, list[tuple[int, int]]] = {}
-        for k, (i, slot) in enumerate(reads.get(name, ())):
+        owner = name.rsplit(".", 1)[0]
+        for i, slot in sorted(reads.get(name, ()), key=lambda read: module_of(graph.node[read[0]]) != owner):
             module = module_of(graph.node[i])
             groups.setdefault(module if module is not None else ("node", i), []).append((i, slot))
         for g, (key, slots) in enumerate(groups.items()):
@@ -258,6 +260,9 @@ def untie_in_place(model: onnx.ModelProto, names: Iterable[str]) -> None:
                 entry.name = copy_name
             for i, slot in slots:
                 graph.node[i].input[slot] = copy_name
+            if isinstance(key, str):
+                made[copy_name] = key
+    return made
 
 
 def tie_copies_in_place(model: onnx.ModelProto, copies: Mapping[str, str]) -> None:
