@@ -10,8 +10,10 @@ nor are values that would look like weights (float tensors of more than one elem
 quantization nodes (a DequantizeLinear of an int8 scalar stays one, so the stages keep the model's quantization).
 Nodes whose outputs then reach no graph output are dropped: the TorchScript export of F.mse_loss adds its input to a
 fill only to read the sum's Shape, which folding makes a constant, and a stage would compute that sum and send it on.
+A dilated Conv padded by `auto_pad` SAME (the TorchScript export of padding="same") gets its pads written out:
+onnxruntime's CPU Conv refuses dilation with auto_pad, so the model could not run at all.
 
-Reading order: `clean` -> `_fold` -> `_drop_identities` -> `_drop_dead`.
+Reading order: `clean` -> `_fold` -> `_drop_identities` -> `_drop_dead` -> `_explicit_pads`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.nodes import QUANTIZATION_OPS, has_subgraph, is_weight, subgraph_captures
-from onnxpipe.shapes import STANDARD_DOMAINS
+from onnxpipe.shapes import STANDARD_DOMAINS, Inferred, static_shape
 
 __all__ = ["Cleaned", "clean"]
 
@@ -43,12 +45,15 @@ class Cleaned:
     dead: tuple[str, ...] = ()
 
 
-def clean(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> Cleaned:
+def clean(model: onnx.ModelProto, inferred: Inferred) -> Cleaned:
     """Replace the folded nodes that read no weight and compute no weight-like value by their values,
-    then remove Identity nodes between activations and nodes whose outputs reach no graph output."""
-    taken = _fold(model, folded, folded_nodes)
+    then remove Identity nodes between activations and nodes whose outputs reach no graph output, and write out
+    the pads of dilated SAME-padded Convs."""
+    taken = _fold(model, inferred.folded, inferred.folded_nodes)
     identities = _drop_identities(model)
-    return Cleaned(model, taken, identities, _drop_dead(model))
+    dead = _drop_dead(model)
+    _explicit_pads(model, inferred.value_info)
+    return Cleaned(model, taken, identities, dead)
 
 
 def _fold(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> tuple[str, ...]:
@@ -134,6 +139,34 @@ def _drop_dead(model: onnx.ModelProto) -> tuple[str, ...]:
         del field[:]
         field.extend(left)
     return tuple(reversed(dead))
+
+
+def _explicit_pads(model: onnx.ModelProto, shapes: Mapping[str, onnx.ValueInfoProto]) -> None:
+    """A dilated Conv with auto_pad SAME_UPPER or SAME_LOWER and static shapes gets the pads that rule gives (the total
+    an axis needs for ceil(in / stride) outputs, the odd one at the end for UPPER, at the start for LOWER)."""
+    dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "Conv" or node.domain not in STANDARD_DOMAINS or attrs.get("auto_pad") not in (b"SAME_UPPER", b"SAME_LOWER"):
+            continue
+        x = static_shape(shapes[node.input[0]]) if node.input[0] in shapes else None
+        w = dims.get(node.input[1]) or (static_shape(shapes[node.input[1]]) if node.input[1] in shapes else None)
+        if x is None or w is None:
+            continue
+        spatial = len(x) - 2
+        dilations, strides = attrs.get("dilations", [1] * spatial), attrs.get("strides", [1] * spatial)
+        if all(d == 1 for d in dilations):  # type: ignore[union-attr]
+            continue  # onnxruntime pads these itself
+        kernel = attrs.get("kernel_shape", list(w[2:]))
+        begins, ends = [], []
+        for size, k, s, d in zip(x[2:], kernel, strides, dilations):  # type: ignore[call-overload]
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            small, large = total // 2, total - total // 2
+            begins.append(small if attrs["auto_pad"] == b"SAME_UPPER" else large)
+            ends.append(large if attrs["auto_pad"] == b"SAME_UPPER" else small)
+        kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("pads", begins + ends)])
 
 
 def _captures(node: onnx.NodeProto) -> tuple[str, ...]:

@@ -206,7 +206,7 @@ def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | 
     _bind_dims(model, dims, origin)
     inferred = _infer_shapes(model, origin)
     _ensure_valid(model, inferred, origin)
-    clean(model, inferred.folded, inferred.folded_nodes)
+    clean(model, inferred)
     tensors = _tensor_infos(model, origin, shapes_by_running)
     return dataclasses.replace(_build(model, tensors, dims, origin), shared=shared)
 

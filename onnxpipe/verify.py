@@ -21,7 +21,7 @@ from onnxpipe.chain import chain, session
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.manifest import Manifest, StageInput
 from onnxpipe.nodes import is_float_dtype
-from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session
+from onnxpipe.ortutil import MAX_IR_VERSION, cpu_session, ort_reason
 from onnxpipe.protostream import read_user_model
 from onnxpipe.quantized import is_quantized
 from onnxpipe.safepath import ensure_external_data_inside
@@ -87,7 +87,11 @@ def verify(directory: str | os.PathLike, model_path: str | os.PathLike, *, dims:
     errors = dict.fromkeys(names, 0.0)
     for _ in range(samples):
         feeds = random_feeds(manifest.inputs, rng)
-        want = dict(zip(names, original.run(names, feeds)))  # type: ignore[attr-defined]
+        try:
+            want = dict(zip(names, original.run(names, feeds)))  # type: ignore[attr-defined]
+        except Exception as exc:  # onnxruntime raises its own types
+            raise OnnxpipeError(f"{model_path}: onnxruntime cannot run the model itself ({ort_reason(exc)}), so there is nothing to compare the "
+                                "stages with; `run` the stages, or verify against a model onnxruntime runs") from exc
         got = chain(directory, feeds, optimize=fused)
         for name in names:
             errors[name] = max(errors[name], relative_error(got[name], want[name], atol))

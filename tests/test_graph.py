@@ -233,3 +233,31 @@ def test_a_bfloat16_model_is_planned_as_one_that_trains_in_bfloat16() -> None:
     assert priced.stages[0].memory.optimizer == 2 * 2 * n * n * 2  # two moments of two bfloat16 weights
     at_float32 = build_problem(graph, costs, target, batch=n, microbatches=1, optimizer="adam", dtype="float32")
     assert problem.forward[0, 0] * 5 < at_float32.forward[0, 0]  # the bfloat16 peak (989 TFLOP/s), not float32's (67)
+
+
+@pytest.mark.parametrize("mode,size,stride,pads", [("SAME_UPPER", 7, 1, [2, 2, 2, 2]), ("SAME_UPPER", 8, 2, [1, 1, 2, 2]),
+                                                   ("SAME_LOWER", 8, 2, [2, 2, 1, 1])])
+def test_a_dilated_same_padded_conv_gets_its_pads_written_out(mode: str, size: int, stride: int, pads: list[int]) -> None:
+    """The TorchScript export of Conv2d(padding="same", dilation=2) pads with auto_pad, which onnxruntime's CPU Conv refuses
+    with a dilation ("Dilation not supported for AutoPad"): the model could not run, profile or train. The pads the
+    spec's rule gives are written out (the odd one at the end for SAME_UPPER, at the start for SAME_LOWER)."""
+    from onnxpipe.ortutil import cpu_session
+
+    w = numpy_helper.from_array(np.random.default_rng(3).standard_normal((4, 2, 3, 3)).astype(np.float32), "w")
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", auto_pad=mode, dilations=[2, 2], strides=[stride, stride])
+    out = -(-size // stride)
+    model = helper.make_model(helper.make_graph([node], "same", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, size, size])],
+                                                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, out, out])], [w]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.random.default_rng(4).standard_normal((1, 2, size, size)).astype(np.float32)
+    with pytest.raises(Exception, match="Dilation not supported"):
+        cpu_session(model.SerializeToString()).run(["y"], {"x": x})
+    g = load(model)
+    conv = g.node("conv")
+    assert {a.name: list(a.ints) for a in conv.attribute if a.name == "pads"} == {"pads": pads} and "auto_pad" not in {a.name for a in conv.attribute}
+    explicit = helper.make_node("Conv", ["x", "w"], ["y"], dilations=[2, 2], strides=[stride, stride], pads=pads)
+    expected = helper.make_model(helper.make_graph([explicit], "explicit", list(model.graph.input), list(model.graph.output), [w]),
+                                 opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    y = cpu_session(g.model.SerializeToString()).run(["y"], {"x": x})[0]
+    assert y.shape == (1, 4, out, out)
+    np.testing.assert_array_equal(y, cpu_session(expected.SerializeToString()).run(["y"], {"x": x})[0])
