@@ -13,7 +13,10 @@ fill only to read the sum's Shape, which folding makes a constant, and a stage w
 A dilated Conv padded by `auto_pad` SAME (the TorchScript export of padding="same") gets its pads written out:
 onnxruntime's CPU Conv refuses dilation with auto_pad, so the model could not run at all.
 
-Reading order: `clean` -> `_fold` -> `_drop_identities` -> `_drop_dead` -> `_explicit_pads`.
+An If whose condition folds (the TorchScript export of repeat_interleave tests a shape) is replaced by the branch it
+takes, before shapes are inferred again (`inline_decided_branches`): static inference cannot tell an If's output shape.
+
+Reading order: `inline_decided_branches`; `clean` -> `_fold` -> `_drop_identities` -> `_drop_dead` -> `_explicit_pads`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from onnx import helper, numpy_helper
 from onnxpipe.nodes import QUANTIZATION_OPS, has_subgraph, is_weight, subgraph_captures
 from onnxpipe.shapes import STANDARD_DOMAINS, Inferred, static_shape
 
-__all__ = ["Cleaned", "clean"]
+__all__ = ["Cleaned", "clean", "inline_decided_branches"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,44 @@ class Cleaned:
     identities: Mapping[str, str]
     #: Nodes removed because nothing they compute reaches a graph output.
     dead: tuple[str, ...] = ()
+
+
+def inline_decided_branches(model: onnx.ModelProto, folded: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """Each If of the main graph whose condition folded to a value, replaced by the nodes of the branch it takes (named
+    under the If's name; Identity nodes hand the branch's outputs to the If's), unless a name of the branch is taken in
+    the main graph; the Ifs replaced."""
+    graph = model.graph
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {o for n in graph.node for o in n.output}
+    nodes: list[onnx.NodeProto] = []
+    inlined: list[str] = []
+    for node in graph.node:
+        branch = _taken_branch(node, folded)
+        if branch is None or ({o for n in branch.node for o in n.output} | {t.name for t in branch.initializer}) & taken:
+            nodes.append(node)
+            continue
+        for k, inner in enumerate(branch.node):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(inner)
+            copy.name = f"{node.name}/{inner.name or inner.op_type + str(k)}"
+            nodes.append(copy)
+        nodes.extend(helper.make_node("Identity", [out.name], [mine], name=f"{node.name}/out{i}") for i, (out, mine) in enumerate(zip(branch.output, node.output)))
+        graph.initializer.extend(branch.initializer)
+        inlined.append(node.name)
+    if inlined:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return tuple(inlined)
+
+
+def _taken_branch(node: onnx.NodeProto, folded: Mapping[str, np.ndarray]) -> onnx.GraphProto | None:
+    """The branch an If takes where its condition folded to one value; None otherwise."""
+    if node.op_type != "If" or node.domain not in STANDARD_DOMAINS or node.input[0] not in folded:
+        return None
+    cond = np.asarray(folded[node.input[0]])
+    if cond.size != 1:
+        return None
+    wanted = "then_branch" if bool(cond.reshape(-1)[0]) else "else_branch"
+    return next((a.g for a in node.attribute if a.name == wanted), None)
 
 
 def clean(model: onnx.ModelProto, inferred: Inferred) -> Cleaned:

@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxpipe.buffers import hold_exporter_constants, hold_merged_constants
-from onnxpipe.cleanup import clean
+from onnxpipe.cleanup import clean, inline_decided_branches
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.initializers import SharedInitializer, TieChoice, shared_initializers, tie_copies_in_place, untie_in_place
 from onnxpipe.nodes import RANDOM_OPS, hold, is_float_dtype, is_weight, subgraph_captures, trained_initializers
@@ -205,6 +205,8 @@ def load(source: str | os.PathLike | onnx.ModelProto, dims: Mapping[str, int] | 
     dims = dict(dims or {})
     _bind_dims(model, dims, origin)
     inferred = _infer_shapes(model, origin)
+    if inline_decided_branches(model, inferred.folded):  # the shapes of what the branch computes, now in the main graph
+        inferred = _infer_shapes(model, origin)
     _ensure_valid(model, inferred, origin)
     clean(model, inferred)
     tensors = _tensor_infos(model, origin, shapes_by_running)

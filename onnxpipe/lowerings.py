@@ -26,7 +26,7 @@ rounding); the others move or sum the same elements. Nodes they write are named 
 - DepthToSpace and SpaceToDepth (PixelShuffle) -> Reshape, Transpose, Reshape, as the spec defines them; ReduceMax,
   ReduceMin and GlobalMaxPool -> TopK(k=1) over the reduced axes: onnxruntime-training 1.19.2 has no gradient for
   any of them (static shapes). Sum and Mean of several tensors -> Adds; CumSum -> MatMul by a
-  triangular matrix along its axis (neither has a gradient there either).
+  triangular matrix along its axis; ReduceProd -> Muls of halves (none has a gradient there either).
 - GRU and RNN (static sequence length) -> their steps unrolled (`onnxpipe.recurrent`): onnxruntime-training 1.19.2
   has no gradient for either; so are reverse and bidirectional LSTMs, whose LSTMGrad it refuses.
 - LayerNormalization of float16 or bfloat16 at opset >= 18 -> Cast to float32, LayerNormalization, Cast back:
@@ -36,7 +36,7 @@ rounding); the others move or sum the same elements. Nodes they write are named 
 
 Reading order: `PER_NODE` (at the end) -> `_instance_norm` -> `_resize` -> `_conv_transpose` -> `_grouped_conv` -> `_negative_slice`
 -> `_padded_by_copies` -> `_einsum` -> `_depth_to_space`
--> `_reduce_extreme` -> `_sum_mean` -> `_cumsum` -> `_recurrent` -> `_float32_layer_norm`.
+-> `_reduce_extreme` -> `_reduce_prod` -> `_sum_mean` -> `_cumsum` -> `_recurrent` -> `_float32_layer_norm`.
 """
 
 from __future__ import annotations
@@ -406,6 +406,20 @@ def _depth_to_space(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
         helper.make_node("Reshape", [f"{b}/moved", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/joined")]
 
 
+def _reduced_axes(node: onnx.NodeProto, attrs: Mapping[str, object], opset: int, consts: Mapping[str, np.ndarray], rank: int) -> list[int] | None:
+    """The axes a ReduceMax, ReduceMin or ReduceProd reduces, sorted (an attribute before opset 18, an input from it; all
+    where none are given); None where they are not constant or none are given and `noop_with_empty_axes` is set."""
+    given = attrs.get("axes") if opset < 18 else None
+    if given is None and len(node.input) > 1 and node.input[1]:
+        found = consts.get(node.input[1])
+        if found is None:
+            return None
+        given = [int(a) for a in np.atleast_1d(found)]
+    if not given and attrs.get("noop_with_empty_axes", 0):
+        return None
+    return sorted({int(a) % rank for a in given} if given else set(range(rank)))  # type: ignore[union-attr]
+
+
 def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
                     consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
     """ReduceMax, ReduceMin and GlobalMaxPool as TopK(k=1) over the reduced axes moved last and flattened: the same
@@ -418,15 +432,10 @@ def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
     if node.op_type == "GlobalMaxPool":
         axes = list(range(2, rank))
     else:
-        given = attrs.get("axes") if opset < 18 or node.op_type not in ("ReduceMax", "ReduceMin") else None
-        if given is None and len(node.input) > 1 and node.input[1]:
-            found = consts.get(node.input[1])
-            if found is None:
-                return None
-            given = [int(a) for a in np.atleast_1d(found)]
-        if not given and attrs.get("noop_with_empty_axes", 0):
+        found = _reduced_axes(node, attrs, opset, consts, rank)
+        if found is None:
             return None
-        axes = sorted({int(a) % rank for a in given} if given else set(range(rank)))  # type: ignore[union-attr]
+        axes = found
     kept = [a for a in range(rank) if a not in axes]
     b = node_base(node, "topk")
     graph.initializer.extend([numpy_helper.from_array(np.array([*(shape[a] for a in kept), -1], np.int64), f"{b}/flat"),
@@ -438,6 +447,29 @@ def _reduce_extreme(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], o
         helper.make_node("TopK", [f"{b}/flattened", f"{b}/k"], [f"{b}/values", f"{b}/indices"], name=f"{b}/values", axis=-1,
                          largest=int(node.op_type != "ReduceMin")),
         helper.make_node("Reshape", [f"{b}/values", f"{b}/out"], [node.output[0]], name=node.name or f"{b}/shaped")]
+
+
+def _reduce_prod(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
+                 consts: Mapping[str, np.ndarray]) -> tuple[str, list[onnx.NodeProto]] | None:
+    """ReduceProd (torch.prod) as Muls of halves along each reduced axis (an odd element carried by a Concat), then a
+    Reshape to the output: onnxruntime-training 1.19.2 has no ReduceProd gradient; Mul's is the product rule."""
+    attrs, dtype, (shape, out) = _read(node, types, node.input[0], node.output[0])
+    if dtype is None or shape is None or out is None:
+        return None
+    axes = _reduced_axes(node, attrs, opset, consts, len(shape))
+    if axes is None:
+        return None
+    b = NodeBuilder(graph, node_base(node, "prod"), opset)
+    current, lengths = node.input[0], list(shape)
+    for axis in axes:
+        while lengths[axis] > 1:
+            n, half, source = lengths[axis], lengths[axis] // 2, current
+            current = b.op("Mul", [b.op("Slice", [source, b.ints([lo]), b.ints([hi]), b.ints([axis])]) for lo, hi in ((0, half), (half, 2 * half))])
+            if n % 2:
+                current = b.op("Concat", [current, b.op("Slice", [source, b.ints([n - 1]), b.ints([n]), b.ints([axis])])], axis=axis)
+            lengths[axis] = half + n % 2
+    b.op("Reshape", [current, b.ints(out)], node.output[0])
+    return "ReduceProd -> Muls of halves", b.nodes
 
 
 def _sum_mean(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto], opset: int, graph: onnx.GraphProto,
@@ -518,6 +550,7 @@ PER_NODE: tuple[tuple[frozenset[str], NodeRewrite], ...] = (
     (frozenset({"Einsum"}), _einsum),
     (frozenset({"DepthToSpace", "SpaceToDepth"}), _depth_to_space),
     (frozenset({"ReduceMax", "ReduceMin", "GlobalMaxPool"}), _reduce_extreme),
+    (frozenset({"ReduceProd"}), _reduce_prod),
     (frozenset({"Sum", "Mean"}), _sum_mean),
     (frozenset({"CumSum"}), _cumsum),
     (UNROLLED_OPS, _recurrent),

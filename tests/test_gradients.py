@@ -485,6 +485,18 @@ def test_slice_with_a_negative_step_trains_as_a_gather(starts: list[int], ends: 
     _assert_rewritten_like_the_op(model, "Slice with a negative step -> Gather", ("w",), exact=True)
 
 
+@pytest.mark.parametrize("axes,keepdims,x_shape,y_shape", [([1], 0, [2, 5, 3], [2, 3]), ([0, 2], 1, [3, 2, 4], [1, 2, 1]), (None, 0, [2, 3], [])],
+                         ids=["odd-axis", "two-axes-kept", "all"])
+def test_reduce_prod_trains_as_muls_of_halves(axes: list[int] | None, keepdims: int, x_shape: list[int], y_shape: list[int]) -> None:
+    """onnxruntime-training 1.19.2 has no ReduceProd gradient (torch.prod): halves multiplied along each reduced axis (an
+    odd last element carried on) compute the product, and the product rule trains it."""
+    inits = [numpy_helper.from_array(np.array(axes, np.int64), "axes")] if axes else []
+    node = helper.make_node("ReduceProd", ["scaled", *(["axes"] if axes else [])], ["y"], name="prod", keepdims=keepdims)
+    assert [m.op_type for m in missing_gradients(_linear_op_model(node, x_shape, inits, y_shape, opset=18), None)] == []
+    _assert_rewritten_like_the_op(_linear_op_model(node, x_shape, inits, y_shape, opset=18), "ReduceProd -> Muls of halves", ("w",),
+                                  exact=False, step=1e-2)
+
+
 RECURRENT = [  # (op, attributes, bias, initial state)
     ("GRU", {"linear_before_reset": 0}, True, False),
     ("GRU", {"linear_before_reset": 1, "direction": "reverse", "layout": 1}, False, True),

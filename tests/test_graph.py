@@ -261,3 +261,27 @@ def test_a_dilated_same_padded_conv_gets_its_pads_written_out(mode: str, size: i
     y = cpu_session(g.model.SerializeToString()).run(["y"], {"x": x})[0]
     assert y.shape == (1, 4, out, out)
     np.testing.assert_array_equal(y, cpu_session(expected.SerializeToString()).run(["y"], {"x": x})[0])
+
+
+def test_an_if_whose_condition_folds_is_replaced_by_the_branch_it_takes() -> None:
+    """The TorchScript exporter writes shape tests as If nodes (repeat_interleave): with branches of other shapes, static
+    inference cannot tell the If's output shape and the model could not load without running it. Once the condition
+    folds, the taken branch's nodes stand in the main graph and shapes are inferred again; values unchanged."""
+    from onnxpipe.ortutil import cpu_session
+
+    vi = helper.make_tensor_value_info
+    then_branch = helper.make_graph([helper.make_node("Concat", ["x", "x"], ["wide"], name="twice", axis=1)], "then", [], [vi("wide", TensorProto.FLOAT, None)])
+    else_branch = helper.make_graph([helper.make_node("Identity", ["x"], ["same"], name="keep")], "else", [], [vi("same", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"), helper.make_node("Gather", ["s", "zero"], ["rows"], name="rows"),
+             helper.make_node("Greater", ["rows", "one"], ["many"], name="test"),
+             helper.make_node("If", ["many"], ["h"], name="branch", then_branch=then_branch, else_branch=else_branch),
+             helper.make_node("MatMul", ["h", "w"], ["y"], name="fc")]
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.random.default_rng(5).standard_normal((6, 4)).astype(np.float32), "w")]
+    model = helper.make_model(helper.make_graph(nodes, "if", [vi("x", TensorProto.FLOAT, [2, 3])], [vi("y", TensorProto.FLOAT, None)], inits),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    g = load(model)
+    assert "branch" not in g.order and g.compute_nodes == ("branch/twice", "fc") and g.tensors[g.node("fc").input[0]].shape == (2, 6)
+    x = np.random.default_rng(6).standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(cpu_session(g.model.SerializeToString()).run(["y"], {"x": x})[0],
+                                  cpu_session(model.SerializeToString()).run(["y"], {"x": x})[0])
