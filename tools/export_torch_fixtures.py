@@ -28,6 +28,10 @@ The activations fixture (HardSwish and an SE block's HardSigmoid as in MobileNet
 CELU, Mish, Softplus, torch.amax and an adaptive max pool; an MSE loss) is exported by both exporters, into
 `torch_activations.onnx` (dynamo) and `torch_activations_ts.onnx` (TorchScript, opset 17), with one `.npz` / `.json`:
 onnxruntime-training has no gradient for any of those ops as exported, and `onnxpipe.rewrites` writes them out.
+The sequence fixture (a bidirectional LSTM, attention with a causal-mask buffer, torch.flip, a reflect pad, a grouped
+dilated Conv1d, an RMSNorm and a LayerNorm without weights; dynamo exporter) likewise: each is a pattern
+onnxruntime-training got wrong or could not train as exported, which `onnxpipe.lowerings`, `onnxpipe.recurrent` and
+`onnxpipe.buffers` handle.
 The Conv1D biases are drawn at random instead of torch's zeros: the default optimisation deletes an
 all-zero Gemm bias (onnxscript's RemoveOptionalBiasFromGemm), and a weight missing from the file
 cannot be trained like PyTorch trains it.
@@ -327,6 +331,54 @@ def export_activations() -> None:
     (OUT / "torch_activations.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+SEQ_STEPS, SEQ_BATCH, SEQ_LR = 3, 4, 0.05
+
+
+class SequenceNet(nn.Module):
+    """What audio and text models put together, each a pattern onnxruntime-training got wrong or could not train as
+    exported: a bidirectional LSTM (its LSTMGrad runs forward ones only), self-attention with a causal-mask buffer (the
+    dynamo exporter folds the mask into a tensor of its own), torch.flip (a Slice of step -1), a reflect F.pad, a
+    grouped dilated Conv1d (its CPU ConvGrad writes the input gradient past its buffer), an RMSNorm and a LayerNorm
+    without weights (whose ones the exporter merges with the RMSNorm's), ending in an MSE loss."""
+
+    def __init__(self, d: int = 16, seq: int = 8) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d, d // 2, batch_first=True, bidirectional=True)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        nn.init.normal_(self.attn.in_proj_bias, std=0.1)  # all zeros, the exporter's optimizer deletes a bias
+        nn.init.normal_(self.attn.out_proj.bias, std=0.1)
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1))
+        self.conv = nn.Conv1d(d, d, 3, dilation=2, groups=4)
+        self.rms, self.norm = nn.RMSNorm(d), nn.LayerNorm(d, elementwise_affine=False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.lstm(x)[0]
+        h = h + self.attn(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        c = self.conv(nn.functional.pad(torch.flip(h, [1]).transpose(1, 2), (2, 2), mode="reflect")).transpose(1, 2)
+        h = self.norm(self.rms(h + c))
+        return nn.functional.mse_loss(self.head(h.mean(1)), target)
+
+
+def export_sequence() -> None:
+    """The sequence model by the dynamo exporter (the TorchScript one has no RMSNorm or native attention), its batches and
+    PyTorch's SGD losses."""
+    import json
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = SequenceNet().eval()
+    x, target = torch.randn(SEQ_STEPS, SEQ_BATCH, 8, 16), torch.randn(SEQ_STEPS, SEQ_BATCH, 3)
+    program = torch.onnx.export(model, (x[0][: SEQ_BATCH // 2], target[0][: SEQ_BATCH // 2]), dynamo=True, input_names=["x", "target"],
+                                output_names=["loss"])
+    program.save(str(OUT / "torch_sequence.onnx"))
+    losses = _sgd_losses(model, [(x[step], target[step]) for step in range(SEQ_STEPS)], SEQ_LR)
+    np.savez(OUT / "torch_sequence.npz", x=x.numpy(), target=target.numpy())
+    info = {"optimizer": "sgd", "lr": SEQ_LR, "batch": SEQ_BATCH, "steps": SEQ_STEPS, "losses": losses, "torch": torch.__version__}
+    (OUT / "torch_sequence.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def main() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -347,6 +399,7 @@ def main() -> None:
     export_recurrent("torch_gru", nn.GRU, 6, bidirectional=True, dynamo=False)
     export_recurrent("torch_lstm", nn.LSTM, 48, bidirectional=False, dynamo=True)  # wide enough that the exporter keeps the Slices
     export_activations()
+    export_sequence()
     for path in sorted(OUT.glob("torch_*")):
         print(path.name, path.stat().st_size)
 
