@@ -25,7 +25,7 @@ from onnxpipe.quantized import dequantized_source
 from onnxpipe.target import Device, Target
 from onnxpipe.units import plural
 
-__all__ = ["OPTIMIZER_STATES", "MASTER_SUFFIX", "OPTIMIZERS", "optimizer_states", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
+__all__ = ["OPTIMIZER_STATES", "MASTER_SUFFIX", "PLANNED_OPTIMIZERS", "optimizer_states", "MODES", "Problem", "build_problem", "in_flight", "flights", "schedule_table"]
 
 #: Ops whose gradient node makes the input and the weight gradients at once (onnxruntime-training 1.19.2;
 #: `train.splitgrad`): a split backward runs them whole in B, leaving W nothing of theirs.
@@ -34,8 +34,8 @@ FUSED_GRADIENT_OPS = frozenset({"LayerNormalization", "BatchNormalization", "LST
 OPTIMIZER_STATES = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
 #: An optimizer's name with this suffix keeps float32 master copies of float16 and bfloat16 weights (`optimizer_states`).
 MASTER_SUFFIX = "-master"
-#: Every optimizer name the planner prices.
-OPTIMIZERS = (*OPTIMIZER_STATES, *(f"{name}{MASTER_SUFFIX}" for name in OPTIMIZER_STATES))
+#: Every optimizer name the planner prices (the trainer's are `train.optimizer.OPTIMIZERS`, each planned as one of these).
+PLANNED_OPTIMIZERS = (*OPTIMIZER_STATES, *(f"{name}{MASTER_SUFFIX}" for name in OPTIMIZER_STATES))
 
 
 def optimizer_states(optimizer: str, dtype: str) -> float:
@@ -47,6 +47,8 @@ def optimizer_states(optimizer: str, dtype: str) -> float:
     if base != optimizer and dtype in ("float16", "bfloat16"):
         return 2.0 * (states + 1.0)
     return states
+
+
 #: "training": forward, backward and an optimizer step per iteration; "inference": forward only (no
 #: gradients, optimizer state, stash or all-reduce), micro-batches streamed through the stages.
 MODES = ("training", "inference")
@@ -343,8 +345,8 @@ def _frozen_bytes(graph: Graph, nodes: tuple[str, ...]) -> np.ndarray:
 
 def _ensure_options(graph: Graph, batch: int, microbatches: int, schedule: str, optimizer: str) -> None:
     schedules.virtual(schedule)  # any table: the planner admits those it plans (`schedule.ensure_plannable`)
-    if optimizer not in OPTIMIZERS:
-        raise OnnxpipeError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZERS)}")
+    if optimizer not in PLANNED_OPTIMIZERS:
+        raise OnnxpipeError(f"unknown optimizer '{optimizer}'; choose one of: {', '.join(PLANNED_OPTIMIZERS)}")
     if microbatches < 1 or batch < 1:
         raise OnnxpipeError(f"batch {batch} and micro-batches {microbatches} must be positive integers")
     if batch % microbatches:
