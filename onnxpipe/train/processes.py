@@ -128,9 +128,9 @@ class ProcessBackend:
         name = "+".join(str(s.index) for s in specs)
         proc = ctx.Process(target=worker_main, name=f"onnxpipe-stage-{name}-{specs[0].replica}", daemon=True,
                            args=(their_commands, their_replies, self._inboxes, self.prefix, self._current, cpus))
-        with _sigint_ignored():
+        with _sigint_ignored():  # a Ctrl-C held meanwhile lands once the process is recorded, so `close` stops it too
             proc.start()
-        self._procs.append(proc)
+            self._procs.append(proc)
         their_commands.close()  # the process's ends live in the process only: its death breaks the pipes
         their_replies.close()
         sender = _Sender(commands, f"onnxpipe-send-{h}")
