@@ -44,8 +44,6 @@ class Cleaned:
     folded: tuple[str, ...]
     #: Identity nodes removed, by name -> the tensor their readers now read.
     identities: Mapping[str, str]
-    #: Nodes removed because nothing they compute reaches a graph output.
-    dead: tuple[str, ...] = ()
 
 
 def inline_decided_branches(model: onnx.ModelProto, folded: Mapping[str, np.ndarray]) -> tuple[str, ...]:
@@ -92,9 +90,9 @@ def clean(model: onnx.ModelProto, inferred: Inferred) -> Cleaned:
     the pads of dilated SAME-padded Convs."""
     taken = _fold(model, inferred.folded, inferred.folded_nodes)
     identities = _drop_identities(model)
-    dead = _drop_dead(model)
+    _drop_dead(model)
     _explicit_pads(model, inferred.value_info)
-    return Cleaned(model, taken, identities, dead)
+    return Cleaned(model, taken, identities)
 
 
 def _fold(model: onnx.ModelProto, folded: Mapping[str, np.ndarray], folded_nodes: frozenset[str]) -> tuple[str, ...]:
@@ -158,20 +156,18 @@ def _drop_identities(model: onnx.ModelProto) -> dict[str, str]:
     return removed
 
 
-def _drop_dead(model: onnx.ModelProto) -> tuple[str, ...]:
+def _drop_dead(model: onnx.ModelProto) -> None:
     """Nodes none of whose outputs a kept node reads (its subgraphs' captures included) or the graph returns, removed,
     with the initializers only they read."""
     graph = model.graph
     needed = {o.name for o in graph.output}
-    kept, dead = [], []
+    kept = []
     for node in reversed(graph.node):
         if any(o in needed for o in node.output if o):
             kept.append(node)
             needed.update(i for i in [*node.input, *_captures(node)] if i)
-        else:
-            dead.append(node.name)
-    if not dead:
-        return ()
+    if len(kept) == len(graph.node):
+        return
     del graph.node[:]
     graph.node.extend(reversed(kept))
     unread = {t.name for t in graph.initializer} - needed
@@ -179,7 +175,6 @@ def _drop_dead(model: onnx.ModelProto) -> tuple[str, ...]:
         left = [v for v in field if v.name not in unread]
         del field[:]
         field.extend(left)
-    return tuple(reversed(dead))
 
 
 def _explicit_pads(model: onnx.ModelProto, shapes: Mapping[str, onnx.ValueInfoProto]) -> None:
@@ -187,8 +182,10 @@ def _explicit_pads(model: onnx.ModelProto, shapes: Mapping[str, onnx.ValueInfoPr
     an axis needs for ceil(in / stride) outputs, the odd one at the end for UPPER, at the start for LOWER)."""
     dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     for node in model.graph.node:
+        if node.op_type != "Conv" or node.domain not in STANDARD_DOMAINS:
+            continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type != "Conv" or node.domain not in STANDARD_DOMAINS or attrs.get("auto_pad") not in (b"SAME_UPPER", b"SAME_LOWER"):
+        if attrs.get("auto_pad") not in (b"SAME_UPPER", b"SAME_LOWER"):
             continue
         x = static_shape(shapes[node.input[0]]) if node.input[0] in shapes else None
         w = dims.get(node.input[1]) or (static_shape(shapes[node.input[1]]) if node.input[1] in shapes else None)
