@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -61,7 +62,24 @@ def test_questions_stop_once_the_bound_is_close_enough() -> None:
     ask = Scripted(optimum=1.0, hard=1.0)  # every ceiling below the best plan is refuted at once
     probed = probe(ask, 0.0, 1.0, Deadline(1000.0, clock=Ticks()))
     assert 1.0 - CLOSE <= probed.bound_seconds < 1.0 and not probed.found
-    assert len(ask.asked) == math.ceil(math.log2(1 / CLOSE))  # each answer halves the gap: no question more
+    assert len(ask.asked) == 1  # the first question is asked just within CLOSE below the best plan: no question more
+
+
+def test_the_first_question_aims_just_below_the_best_plan_then_bisects_below_it_with_the_time_left() -> None:
+    ask = Scripted(optimum=10.0, hard=9.0)  # refuted below 9, out of time from 9 up to the optimum
+    probed = probe(ask, 5.0, 10.0, Deadline(1000.0, clock=Ticks()))
+    (low, aimed, seconds), *bisected = ask.asked
+    assert low == 5.0 and 10.0 * (1 - CLOSE) <= aimed < 10.0 and seconds < 1000.0 / 3  # a quarter of the time, not half
+    assert bisected and all(ceiling < aimed for _, ceiling, _ in bisected)  # given up there: bisection below it
+    assert 9.0 - STEP * 10.0 <= probed.bound_seconds < 9.0 and not probed.found
+
+
+def test_a_plan_found_beside_the_questions_lowers_them() -> None:
+    ask = Scripted(optimum=12.0, hard=8.0)  # the questions find no plan: refuted below 8, out of time above
+    found_beside = iter([12.0, 8.0])  # the search beside finds a plan of 8 while the first question is asked
+    probed = probe(ask, 5.0, 12.0, Deadline(1000.0, clock=Ticks()), known=lambda: next(found_beside, 8.0))
+    assert len(ask.asked) == 2 and ask.asked[1][1] < 8.0  # asked again below that plan, not below the first
+    assert 8.0 * (1 - CLOSE) <= probed.bound_seconds < 8.0 and not probed.found
 
 
 def test_questions_stop_at_the_deadline_each_with_at_most_half_the_time_left() -> None:
@@ -86,9 +104,9 @@ def _chain_problem(n: int, devices: int = 3):  # type: ignore[no-untyped-def]
 
 
 def _asking(problem, nodes, recompute: str = "auto"):  # type: ignore[no-untyped-def]
-    """CP-SAT's answers over single nodes, each with as long as it asks for."""
+    """CP-SAT's answers over single nodes, each with as long as it asks for, as `solve._prove` asks them."""
     return lambda low, ceiling, seconds: solve_cpsat(problem, nodes, 3, recompute=recompute, floor_seconds=low, ceiling_seconds=ceiling,
-                                                     time_limit=seconds)
+                                                     time_limit=seconds, refute=True)
 
 
 def _rounding(nodes) -> float:  # type: ignore[no-untyped-def]
@@ -189,6 +207,41 @@ class _Solver:
 
     def stop_search(self) -> None:
         self.told += 1
+
+
+def test_prove_ends_the_search_down_once_the_questions_have_proven_its_plan_close_enough(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    problem = _chain_problem(60)
+    nodes = coarsen(problem, problem.n)
+    optimum = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3))).bottleneck_seconds
+    floor = lower_bound(problem, 3).work_seconds
+    real_search, running = solve_module.solve_cpsat, _Solver()
+    hint = solve_module._layout_of(problem, evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3))), nodes, True)
+
+    def search_down_that_never_ends(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("refute"):
+            return real_search(*args, **kwargs)
+        kwargs["progress"](optimum, floor)  # it finds the optimal plan at once, then searches on without proving it
+        assert kwargs["stop"].enter(running)
+        kwargs["searching"].set()
+        while not running.told and time.monotonic() < give_up:  # a real search would run to its time limit
+            time.sleep(0.01)
+        kwargs["stop"].leave(running)
+        return CpResult(hint, "FEASIBLE", optimum, floor, 0.0)
+
+    monkeypatch.setattr(solve_module, "solve_cpsat", search_down_that_never_ends)
+    give_up = time.monotonic() + 60.0
+    least = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3)))
+    result = solve_module._prove(problem, nodes, hint, least, 3, "auto", True, floor, Deadline(60.0), lambda _: None)
+    assert running.told  # told to stop by the questions, not left to run out its time
+    assert result.layout is not None and optimum * (1 - CLOSE) <= result.bound_seconds <= optimum + _rounding(nodes)
+
+
+def test_interrupt_ends_the_searches_running_only() -> None:
+    stop, running = Stop(), _Solver()
+    assert stop.enter(running)
+    stop.interrupt()
+    later = _Solver()
+    assert running.told == 1 and stop.enter(later) and later.told == 0
 
 
 def test_stop_ends_the_searches_running_and_keeps_later_ones_from_starting() -> None:

@@ -2,31 +2,38 @@
 bottleneck T below the best plan's, whether any plan has one of at most T (CP-SAT with T as its ceiling).
 
 Why: CP-SAT refutes such a question far sooner than it closes the search from above, since the lower ceiling
-narrows every block's stage window (`cpsat._windows`) and caps every time variable before it branches. Measured
-node by node on BART-base's and T5-small's exports (616 and 691 nodes, 2 to 8 stages on gpu4, fpga4 and hetero):
-the search from the best plan ends 9 s later with its bound still the first-principles one (up to 33% below the
-plan), while "no plan within 0.97 of the best" is shown in 0.1-5 s on every one of them but hetero at 8 stages.
+narrows every block's stage window (`cpsat._windows`) and caps every time variable before it branches, and on one
+device type its LP adds up the stage times (`cpsat.solve_cpsat`, `refute`). Measured node by node on BART-base's and
+T5-small's exports (616 and 683 nodes, 2 and 4 stages on gpu4 and fpga4): the search from the best plan ends 9 s later
+with its bound still the first-principles one, while "no plan within 0.995 of the best" is shown in 0.3-2 s.
 An INFEASIBLE answer at T is a bound that holds for every plan; a plan found at or below T is a better plan.
 
-Bisection between the bound and the best plan: each question may take half the time left, so one that runs out
-leaves time to ask a lower one; it stops once the bound is within `CLOSE` of the best plan, when the questions
-left could raise it by less than `STEP` of it, or when told to (`plan.solve._prove` asks beside a search down from
-the best plan, on a core of its own, and stops the questions once that search ends).
+The first question for each best plan asks just within `CLOSE` below it, with a quarter of the time left: refuted,
+the bound is close enough in one question. Otherwise bisection between the bound and the best plan: each question may
+take half the time left, so one that runs out leaves time to ask a lower one. It stops once the bound is within
+`CLOSE` of the best plan, when the questions left could raise it by less than `STEP` of it, or when told to
+(`plan.solve._prove` asks beside a search down from the best plan, on a core of its own, hands on the plans that
+search finds, and stops the questions once it ends).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from onnxpipe.plan.cpsat import CpResult
 from onnxpipe.plan.deadline import Deadline
 
-__all__ = ["Probed", "probe", "CLOSE"]
+__all__ = ["Probed", "probe", "close", "CLOSE"]
 
 #: Close enough: the bound within this share of the best plan's bottleneck (the goal the planner is held to;
 #: the cost model's own error is several times larger).
 CLOSE = 0.005
+#: The first question of each best plan asks within this share of CLOSE below it (a margin under CLOSE itself).
+_AIM = 0.95
+#: ... with this share of the time left (when it runs out, bisection below it has the rest).
+_AIM_SHARE = 0.25
 #: The least rise, as a share of the best plan's bottleneck, worth another question.
 STEP = 0.001
 
@@ -39,17 +46,30 @@ class Probed:
     found: tuple[CpResult, ...]
 
 
+def close(best: float, bound: float) -> bool:
+    """The bound is within `CLOSE` of the best plan's bottleneck."""
+    return best - bound <= CLOSE * best
+
+
 def probe(ask: Callable[[float, float, float], CpResult], bound: float, best: float, deadline: Deadline,
-          report: Callable[[str], None] = lambda _: None, stopped: Callable[[], bool] = lambda: False) -> Probed:
+          report: Callable[[str], None] = lambda _: None, stopped: Callable[[], bool] = lambda: False,
+          known: Callable[[], float] = lambda: math.inf) -> Probed:
     """`ask(floor, ceiling, seconds)`: CP-SAT over single nodes with those floor, ceiling and time limit.
     `bound`: a bound valid for every plan; `best`: the best plan's bottleneck; `stopped`: True once the questions
-    are no longer wanted (the search beside them has ended). A bound read off an answer that found a plan is
+    are no longer wanted (the search beside them has ended); `known`: the least bottleneck found elsewhere so far (that
+    search's plans), read before each question. A bound read off an answer that found a plan is
     CP-SAT's, in its whole nanoseconds (each term rounded up), as `solve` reads it."""
     found: list[CpResult] = []
     top = best  # the least ceiling not yet refuted nor given up on
-    while not (deadline.passed() or stopped()) and best - bound > CLOSE * best and top - bound > STEP * best:
-        ceiling = (bound + top) / 2
-        answer = ask(bound, ceiling, deadline.remaining() / 2)
+    while True:
+        best = min(best, known())
+        top = min(top, best)
+        if deadline.passed() or stopped() or close(best, bound) or top - bound <= STEP * best:
+            break
+        target = best * (1 - _AIM * CLOSE)  # refuted there, the bound is close enough: one question
+        aim = top > target > bound
+        ceiling = target if aim else (bound + top) / 2
+        answer = ask(bound, ceiling, deadline.remaining() * (_AIM_SHARE if aim else 0.5))
         if answer.status == "INFEASIBLE":
             bound = ceiling
             report(f"CP-SAT node by node: no plan has a bottleneck of {ceiling * 1e3:.3f} ms or less")

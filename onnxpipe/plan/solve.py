@@ -35,7 +35,7 @@ from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, placed, within
 from onnxpipe.plan.layout import EXACT_REPLICAS, Layout, to_assignment
-from onnxpipe.plan.probe import probe
+from onnxpipe.plan.probe import Probed, close, probe
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.units import format_bytes, plural
@@ -52,6 +52,10 @@ _IMPROVES = 1e-6
 #: in 0.3-2 s (8 heterogeneous stages included), which no first-principles bound can show.
 _PROVE_LEVEL = 1500
 _PROVE_SHARE = 0.3
+#: Once the questions have proven the best plan within `probe.CLOSE` of a bound, the goal, the search down ends, but not
+#: before this share of its time: it proves most plans optimal in well under a second (BERT-base's export on gpu4 and
+#: fpga4 at 2 stages in 0.2-0.5 s, where the questions had closed the gap a little before; small graphs at once).
+_LEAST_SHARE = 0.1
 
 
 #: Graphs up to this many compute nodes are solved node by node, so OPTIMAL is optimal for the graph
@@ -173,10 +177,12 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     """CP-SAT node by node down from the plan `least` (`hint`, its layout over `nodes`, when they can express it), its
     bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until `until`:
     a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes). The search
-    down ends the questions when it ends and is never cut short by them, so a proof it reaches does not depend on
-    which thread was quicker. Side by side because neither alone does both: the search down proves the zoo's and most
-    exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders with its bound on the floor, where the
-    questions raise it (measured on one core each; CP-SAT leaves the interpreter lock while it searches)."""
+    down ends the questions when it ends; the questions end it once they have proven its plan within `probe.CLOSE`,
+    not before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the questions, and ends the one
+    being asked if it is at or below its ceiling (answered). Side by side because neither alone does both: the search
+    down proves the zoo's and most exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders with its bound
+    on the floor, where the questions raise it (measured on one core each; CP-SAT leaves the interpreter lock while it
+    searches)."""
     best = least.bottleneck_seconds
     report(f"{plural(stages, 'stage')}: CP-SAT node by node from the best plan and below it, up to {until.remaining():.0f} s"
            f"{_best_so_far(problem, [least])}")
@@ -186,19 +192,43 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     # searching (CP-SAT leaves the lock), not against its build, which would start the search down later.
     searching = threading.Event()
 
+    asked_below = [math.inf]  # the ceiling of the question being asked
+    down = Stop()
+    plans_down = [best]  # the bottlenecks of the plans the search down finds, as it finds them
+    ended = threading.Event()  # the search down has ended
+    started, least_seconds = time.perf_counter(), _LEAST_SHARE * until.remaining()
+
     def ask(low: float, ceiling: float, seconds: float) -> CpResult:
         searching.wait()
+        asked_below[0] = ceiling
         return solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
-                           time_limit=seconds, workers=workers, stop=asking)
+                           time_limit=seconds, workers=workers, stop=asking, refute=True)
+
+    def found_down(value: float, bound: float) -> None:
+        plans_down.append(value)
+        if value <= asked_below[0]:
+            asking.interrupt()  # the question is answered: ask again below this plan
+        if progress is not None:
+            progress(value, bound)
+
+    def questions() -> Probed:
+        probed = probe(ask, floor, best, until, lambda text: report(f"{plural(stages, 'stage')}: {text}"), stopped=lambda: asking.stopped,
+                       known=lambda: plans_down[-1])
+        if close(min([plans_down[-1], *(r.objective_seconds for r in probed.found)]), probed.bound_seconds):
+            # The best plan is within CLOSE of a bound for every plan, the goal: the search down, which may still prove it
+            # optimal, ends once it has had `_LEAST_SHARE` of the time.
+            ended.wait(max(0.0, started + least_seconds - time.perf_counter()))
+            down.stop()
+        return probed
 
     with ThreadPoolExecutor(max_workers=1) as beside:
-        asked = beside.submit(probe, ask, floor, best, until, lambda text: report(f"{plural(stages, 'stage')}: {text}"),
-                              stopped=lambda: asking.stopped)
+        asked = beside.submit(questions)
         try:
             searched = solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, hint=hint, floor_seconds=floor,
-                                   ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=progress,
-                                   searching=searching)
+                                   ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=found_down,
+                                   stop=down, searching=searching)
         finally:
+            ended.set()
             asking.stop()  # the search down has ended: proven, or out of time
             searching.set()  # a question still waiting finds itself stopped
         while not asked.done():  # told again: a question told in the instant before its solver began searching misses it
