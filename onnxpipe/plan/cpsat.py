@@ -63,8 +63,7 @@ class Stop:
     def stop(self) -> None:
         with self._lock:
             self.stopped = True
-            for solver in self._running:
-                solver.stop_search()
+        self.interrupt()
 
     def interrupt(self) -> None:
         """Ends the searches running now only; later ones still start."""

@@ -5,7 +5,7 @@ Why: CP-SAT refutes such a question far sooner than it closes the search from ab
 narrows every block's stage window (`cpsat._windows`) and caps every time variable before it branches, and on one
 device type its LP adds up the stage times (`cpsat.solve_cpsat`, `refute`). Measured node by node on BART-base's and
 T5-small's exports (616 and 683 nodes, 2 and 4 stages on gpu4 and fpga4): the search from the best plan ends 9 s later
-with its bound still the first-principles one, while "no plan within 0.995 of the best" is shown in 0.3-2 s.
+with its bound still the first-principles one, while "no plan within 0.995 of the best" is shown in 0.2-2.5 s.
 An INFEASIBLE answer at T is a bound that holds for every plan; a plan found at or below T is a better plan.
 
 The first question for each best plan asks just within `CLOSE` below it, with a quarter of the time left: refuted,
