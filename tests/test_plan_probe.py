@@ -74,6 +74,12 @@ def test_the_first_question_aims_just_below_the_best_plan_then_bisects_below_it_
     assert 9.0 - STEP * 10.0 <= probed.bound_seconds < 9.0 and not probed.found
 
 
+def test_without_aim_every_question_bisects() -> None:
+    ask = Scripted(optimum=10.0, hard=9.0)
+    probe(ask, 5.0, 10.0, Deadline(1000.0, clock=Ticks()), aim=False)
+    assert ask.asked[0][1] == 7.5 and 400.0 < ask.asked[0][2] <= 500.0  # the middle, with half the time left
+
+
 def test_a_plan_found_beside_the_questions_lowers_them() -> None:
     ask = Scripted(optimum=12.0, hard=8.0)  # the questions find no plan: refuted below 8, out of time above
     found_beside = iter([12.0, 8.0])  # the search beside finds a plan of 8 while the first question is asked

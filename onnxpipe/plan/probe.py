@@ -53,11 +53,12 @@ def close(best: float, bound: float) -> bool:
 
 def probe(ask: Callable[[float, float, float], CpResult], bound: float, best: float, deadline: Deadline,
           report: Callable[[str], None] = lambda _: None, stopped: Callable[[], bool] = lambda: False,
-          known: Callable[[], float] = lambda: math.inf) -> Probed:
+          known: Callable[[], float] = lambda: math.inf, aim: bool = True) -> Probed:
     """`ask(floor, ceiling, seconds)`: CP-SAT over single nodes with those floor, ceiling and time limit.
     `bound`: a bound valid for every plan; `best`: the best plan's bottleneck; `stopped`: True once the questions
     are no longer wanted (the search beside them has ended); `known`: the least bottleneck found elsewhere so far (that
-    search's plans), read before each question. A bound read off an answer that found a plan is
+    search's plans), read before each question; `aim`: the first question for each best plan asks just within CLOSE
+    below it (else each bisects). A bound read off an answer that found a plan is
     CP-SAT's, in its whole nanoseconds (each term rounded up), as `solve` reads it."""
     found: list[CpResult] = []
     top = best  # the least ceiling not yet refuted nor given up on
@@ -67,9 +68,9 @@ def probe(ask: Callable[[float, float, float], CpResult], bound: float, best: fl
         if deadline.passed() or stopped() or close(best, bound) or top - bound <= STEP * best:
             break
         target = best * (1 - _AIM * CLOSE)  # refuted there, the bound is close enough: one question
-        aim = top > target > bound
-        ceiling = target if aim else (bound + top) / 2
-        answer = ask(bound, ceiling, deadline.remaining() * (_AIM_SHARE if aim else 0.5))
+        aimed = aim and top > target > bound
+        ceiling = target if aimed else (bound + top) / 2
+        answer = ask(bound, ceiling, deadline.remaining() * (_AIM_SHARE if aimed else 0.5))
         if answer.status == "INFEASIBLE":
             bound = ceiling
             report(f"CP-SAT node by node: no plan has a bottleneck of {ceiling * 1e3:.3f} ms or less")
