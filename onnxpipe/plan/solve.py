@@ -175,16 +175,18 @@ def solve(
 def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, stages: int, recompute: str, replicas: bool, floor: float,
            until: Deadline, report: Callable[[str], None], progress: Callable[[float, float], None] | None = None) -> CpResult:
     """CP-SAT node by node down from the plan `least` (`hint`, its layout over `nodes`, when they can express it), its
-    bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until `until`:
-    a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes). The search
-    down ends the questions when it ends; the questions end it once they have proven its plan within `probe.CLOSE`
-    (aiming there first on one device type, where CP-SAT refutes such a question in seconds; on several, bisecting,
-    which raised the bound on T5-small's export at 4 heterogeneous stages to 4.3% below the plan, 11% when aiming),
-    not before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the questions, and ends the one
-    being asked if it is at or below its ceiling (answered). Side by side because neither alone does both: the search
-    down proves the zoo's and most exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders with its bound
-    on the floor, where the questions raise it (measured on one core each; CP-SAT leaves the interpreter lock while it
-    searches)."""
+    bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until
+    `until`: a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes).
+    The search down ends the questions when it ends; the questions end it once they have proven its plan within
+    `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds; on
+    several, bisecting, which raised the bound on T5-small's export at 4 heterogeneous stages to 4.3% below the
+    plan, 11% when aiming), not before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the
+    questions, and on one device type ends the one being asked if it is at or below its ceiling (answered; on
+    several, building the next question's larger model slowed the search down more than it saved: LLaMA's export at
+    8 heterogeneous stages proven in 5.7-6.4 s instead of 3.9-4.7 s). Side by side because neither alone does both:
+    the search down proves the zoo's and most exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders
+    with its bound on the floor, where the questions raise it (measured on one core each; CP-SAT leaves the
+    interpreter lock while it searches)."""
     best = least.bottleneck_seconds
     report(f"{plural(stages, 'stage')}: CP-SAT node by node from the best plan and below it, up to {until.remaining():.0f} s"
            f"{_best_so_far(problem, [least])}")
@@ -194,6 +196,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     # searching (CP-SAT leaves the lock), not against its build, which would start the search down later.
     searching = threading.Event()
 
+    aim = len(problem.group_devices) == 1
     asked_below = [math.inf]  # the ceiling of the question being asked
     down = Stop()
     plans_down = [best]  # the bottlenecks of the plans the search down finds, as it finds them
@@ -208,14 +211,14 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
 
     def found_down(value: float, bound: float) -> None:
         plans_down.append(value)
-        if value <= asked_below[0]:
+        if aim and value <= asked_below[0]:
             asking.interrupt()  # the question is answered: ask again below this plan
         if progress is not None:
             progress(value, bound)
 
     def questions() -> Probed:
         probed = probe(ask, floor, best, until, lambda text: report(f"{plural(stages, 'stage')}: {text}"), stopped=lambda: asking.stopped,
-                       known=lambda: plans_down[-1], aim=len(problem.group_devices) == 1)
+                       known=lambda: plans_down[-1], aim=aim)
         if close(min([plans_down[-1], *(r.objective_seconds for r in probed.found)]), probed.bound_seconds):
             # The best plan is within CLOSE of a bound for every plan, the goal: the search down, which may still prove it
             # optimal, ends once it has had `_LEAST_SHARE` of the time.
