@@ -88,6 +88,18 @@ class SmallCNN(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+
+def _save_reference(name: str, arrays: dict, *, lr: float, batch: int, steps: int, losses: list[float], **extra: object) -> None:
+    """A fixture's batches (`name.npz`) and what PyTorch's SGD reached on them (`name.json`), as `tests/torch_reference.py`
+    reads them."""
+    import json
+
+    import numpy as np
+
+    np.savez(OUT / f"{name}.npz", **arrays)
+    info = {"optimizer": "sgd", "lr": lr, "batch": batch, "steps": steps, "losses": losses, **extra, "torch": torch.__version__}
+    (OUT / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+
 def _sgd_losses(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], lr: float) -> list[float]:
     """PyTorch's own SGD, one step per batch (`model(*batch)` is the loss): the losses pipelined training must reproduce."""
     sgd = torch.optim.SGD(model.parameters(), lr=lr)
@@ -124,10 +136,6 @@ class GPT2WithLoss(nn.Module):
 
 def export_gpt2() -> None:
     """Both GPT-2 exports, the training batches, and PyTorch's SGD losses on them (full batch per step)."""
-    import json
-
-    import numpy as np
-
     torch.manual_seed(0)
     model = GPT2WithLoss().eval()
     ids = torch.randint(0, 256, (GPT2_STEPS, GPT2_BATCH, GPT2_SEQ))
@@ -142,10 +150,8 @@ def export_gpt2() -> None:
     losses = _sgd_losses(model, [(ids[step], labels[step]) for step in range(GPT2_STEPS)], GPT2_LR)
     # The LayerNorm weights after training: the ones an exporter's merge would have kept equal.
     norms = {f"final/{n}": p.detach().numpy() for n, p in model.named_parameters() if ".ln_" in n}
-    np.savez(OUT / "torch_gpt2.npz", input_ids=ids.numpy(), labels=labels.numpy(), **norms)
-    info = {"optimizer": "sgd", "lr": GPT2_LR, "batch": GPT2_BATCH, "steps": GPT2_STEPS, "losses": losses, "parameters": names,
-            "torch": torch.__version__}
-    (OUT / "torch_gpt2.json").write_text(json.dumps(info, indent=1) + "\n")
+    _save_reference("torch_gpt2", dict(input_ids=ids.numpy(), labels=labels.numpy(), **norms), lr=GPT2_LR, batch=GPT2_BATCH, steps=GPT2_STEPS,
+                    losses=losses, parameters=names)
 
 
 def legacy_reference(model: nn.Module, steps: int = 3, lr: float = 0.1) -> None:
@@ -153,16 +159,10 @@ def legacy_reference(model: nn.Module, steps: int = 3, lr: float = 0.1) -> None:
     `.json`). Its two layers are deep copies, equal when fresh, which the exporter stores once (read through Identity
     nodes), and its head, tied to the embedding, is written as a transposed copy."""
     import copy
-    import json
-
-    import numpy as np
-
     model = copy.deepcopy(model)
     ids, labels = torch.randint(0, 64, (steps, 4, 16)), torch.randint(0, 64, (steps, 4, 16))
     losses = _sgd_losses(model, [(ids[step], labels[step]) for step in range(steps)], lr)
-    np.savez(OUT / "torch_gpt_legacy.npz", ids=ids.numpy(), labels=labels.numpy())
-    info = {"optimizer": "sgd", "lr": lr, "batch": 4, "steps": steps, "losses": losses, "torch": torch.__version__}
-    (OUT / "torch_gpt_legacy.json").write_text(json.dumps(info, indent=1) + "\n")
+    _save_reference("torch_gpt_legacy", dict(ids=ids.numpy(), labels=labels.numpy()), lr=lr, batch=4, steps=steps, losses=losses)
 
 
 T5_STEPS, T5_BATCH, T5_SEQ, T5_LR = 3, 4, 8, 0.1
@@ -184,10 +184,6 @@ class T5WithLoss(nn.Module):
 
 def export_t5() -> None:
     """The T5 export, the training batches (a padded tail in the attention mask), and PyTorch's SGD losses on them."""
-    import json
-
-    import numpy as np
-
     torch.manual_seed(0)
     model = T5WithLoss().eval()
     shape = (T5_STEPS, T5_BATCH, T5_SEQ)
@@ -198,9 +194,8 @@ def export_t5() -> None:
     torch.onnx.export(model, (ids[0], mask[0], decoder_ids[0], labels[0]), str(OUT / "torch_t5.onnx"), dynamo=False, opset_version=17,
                       input_names=names, output_names=["loss"], dynamic_axes={name: {0: "batch"} for name in names})
     losses = _sgd_losses(model, [(ids[step], mask[step], decoder_ids[step], labels[step]) for step in range(T5_STEPS)], T5_LR)
-    np.savez(OUT / "torch_t5.npz", input_ids=ids.numpy(), attention_mask=mask.numpy(), decoder_input_ids=decoder_ids.numpy(), labels=labels.numpy())
-    info = {"optimizer": "sgd", "lr": T5_LR, "batch": T5_BATCH, "steps": T5_STEPS, "losses": losses, "torch": torch.__version__}
-    (OUT / "torch_t5.json").write_text(json.dumps(info, indent=1) + "\n")
+    arrays = dict(input_ids=ids.numpy(), attention_mask=mask.numpy(), decoder_input_ids=decoder_ids.numpy(), labels=labels.numpy())
+    _save_reference("torch_t5", arrays, lr=T5_LR, batch=T5_BATCH, steps=T5_STEPS, losses=losses)
 
 
 UNET_STEPS, UNET_BATCH, UNET_LR = 3, 4, 0.1
@@ -227,10 +222,6 @@ class SmallUNet(nn.Module):
 
 def export_unet() -> None:
     """The UNet export (dynamo, a symbolic batch), its training batches, and PyTorch's SGD losses on them."""
-    import json
-
-    import numpy as np
-
     torch.manual_seed(0)
     model = SmallUNet().eval()
     x, target = torch.randn(UNET_STEPS, UNET_BATCH, 3, 16, 16), torch.randn(UNET_STEPS, UNET_BATCH, 4, 16, 16)
@@ -239,9 +230,7 @@ def export_unet() -> None:
                                 dynamic_shapes=({0: batch}, {0: batch}))
     program.save(str(OUT / "torch_unet.onnx"))
     losses = _sgd_losses(model, [(x[step], target[step]) for step in range(UNET_STEPS)], UNET_LR)
-    np.savez(OUT / "torch_unet.npz", x=x.numpy(), target=target.numpy())
-    info = {"optimizer": "sgd", "lr": UNET_LR, "batch": UNET_BATCH, "steps": UNET_STEPS, "losses": losses, "torch": torch.__version__}
-    (OUT / "torch_unet.json").write_text(json.dumps(info, indent=1) + "\n")
+    _save_reference("torch_unet", dict(x=x.numpy(), target=target.numpy()), lr=UNET_LR, batch=UNET_BATCH, steps=UNET_STEPS, losses=losses)
 
 
 GRU_STEPS, GRU_BATCH, GRU_SEQ, GRU_LR = 3, 4, 6, 0.1
@@ -264,10 +253,6 @@ class SmallRNN(nn.Module):
 
 def export_recurrent(name: str, cell: type[nn.Module], hidden: int, bidirectional: bool, dynamo: bool) -> None:
     """A SmallRNN export (a symbolic batch), its training batches, and PyTorch's SGD losses on them."""
-    import json
-
-    import numpy as np
-
     torch.manual_seed(0)
     model = SmallRNN(cell, hidden, bidirectional).eval()
     ids, target = torch.randint(0, 32, (GRU_STEPS, GRU_BATCH, GRU_SEQ)), torch.randn(GRU_STEPS, GRU_BATCH, GRU_SEQ, 3)
@@ -281,9 +266,7 @@ def export_recurrent(name: str, cell: type[nn.Module], hidden: int, bidirectiona
         torch.onnx.export(model, (ids[0], target[0]), str(OUT / f"{name}.onnx"), dynamo=False, opset_version=17, input_names=names,
                           output_names=["loss"], dynamic_axes={n: {0: "batch"} for n in names})
     losses = _sgd_losses(model, [(ids[step], target[step]) for step in range(GRU_STEPS)], GRU_LR)
-    np.savez(OUT / f"{name}.npz", ids=ids.numpy(), target=target.numpy())
-    info = {"optimizer": "sgd", "lr": GRU_LR, "batch": GRU_BATCH, "steps": GRU_STEPS, "losses": losses, "torch": torch.__version__}
-    (OUT / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+    _save_reference(name, dict(ids=ids.numpy(), target=target.numpy()), lr=GRU_LR, batch=GRU_BATCH, steps=GRU_STEPS, losses=losses)
 
 
 ACT_STEPS, ACT_BATCH, ACT_LR = 3, 4, 0.05
@@ -312,10 +295,6 @@ class ActivationNet(nn.Module):
 
 def export_activations() -> None:
     """The activations model by both exporters (a symbolic batch), its training batches, and PyTorch's SGD losses."""
-    import json
-
-    import numpy as np
-
     torch.manual_seed(0)
     model = ActivationNet().eval()
     x, target = torch.randn(ACT_STEPS, ACT_BATCH, 3, 8, 8), torch.randn(ACT_STEPS, ACT_BATCH, 3)
@@ -326,9 +305,7 @@ def export_activations() -> None:
     torch.onnx.export(model, (x[0], target[0]), str(OUT / "torch_activations_ts.onnx"), dynamo=False, opset_version=17,
                       input_names=["x", "target"], output_names=["loss"], dynamic_axes={"x": {0: "batch"}, "target": {0: "batch"}})
     losses = _sgd_losses(model, [(x[step], target[step]) for step in range(ACT_STEPS)], ACT_LR)
-    np.savez(OUT / "torch_activations.npz", x=x.numpy(), target=target.numpy())
-    info = {"optimizer": "sgd", "lr": ACT_LR, "batch": ACT_BATCH, "steps": ACT_STEPS, "losses": losses, "torch": torch.__version__}
-    (OUT / "torch_activations.json").write_text(json.dumps(info, indent=1) + "\n")
+    _save_reference("torch_activations", dict(x=x.numpy(), target=target.numpy()), lr=ACT_LR, batch=ACT_BATCH, steps=ACT_STEPS, losses=losses)
 
 
 SEQ_STEPS, SEQ_BATCH, SEQ_LR = 3, 4, 0.05
@@ -363,10 +340,6 @@ class SequenceNet(nn.Module):
 def export_sequence() -> None:
     """The sequence model by the dynamo exporter (the TorchScript one has no RMSNorm or native attention), its batches and
     PyTorch's SGD losses."""
-    import json
-
-    import numpy as np
-
     torch.manual_seed(0)
     model = SequenceNet().eval()
     x, target = torch.randn(SEQ_STEPS, SEQ_BATCH, 8, 16), torch.randn(SEQ_STEPS, SEQ_BATCH, 3)
@@ -374,9 +347,7 @@ def export_sequence() -> None:
                                 output_names=["loss"])
     program.save(str(OUT / "torch_sequence.onnx"))
     losses = _sgd_losses(model, [(x[step], target[step]) for step in range(SEQ_STEPS)], SEQ_LR)
-    np.savez(OUT / "torch_sequence.npz", x=x.numpy(), target=target.numpy())
-    info = {"optimizer": "sgd", "lr": SEQ_LR, "batch": SEQ_BATCH, "steps": SEQ_STEPS, "losses": losses, "torch": torch.__version__}
-    (OUT / "torch_sequence.json").write_text(json.dumps(info, indent=1) + "\n")
+    _save_reference("torch_sequence", dict(x=x.numpy(), target=target.numpy()), lr=SEQ_LR, batch=SEQ_BATCH, steps=SEQ_STEPS, losses=losses)
 
 
 def main() -> None:
