@@ -199,7 +199,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     aim = len(problem.group_devices) == 1
     asked_below = [math.inf]  # the ceiling of the question being asked
     down = Stop()
-    plans_down = [best]  # the bottlenecks of the plans the search down finds, as it finds them
+    found_below = [best]  # the bottleneck of the last (best) plan the search down has found
     ended = threading.Event()  # the search down has ended
     started, least_seconds = time.perf_counter(), _LEAST_SHARE * until.remaining()
 
@@ -210,7 +210,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
                            time_limit=seconds, workers=workers, stop=asking, refute=True)
 
     def found_down(value: float, bound: float) -> None:
-        plans_down.append(value)
+        found_below[0] = value
         if aim and value <= asked_below[0]:
             asking.interrupt()  # the question is answered: ask again below this plan
         if progress is not None:
@@ -218,8 +218,8 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
 
     def questions() -> Probed:
         probed = probe(ask, floor, best, until, lambda text: report(f"{plural(stages, 'stage')}: {text}"), stopped=lambda: asking.stopped,
-                       known=lambda: plans_down[-1], aim=aim)
-        if close(min([plans_down[-1], *(r.objective_seconds for r in probed.found)]), probed.bound_seconds):
+                       known=lambda: found_below[0], aim=aim)
+        if close(min([found_below[0], *(r.objective_seconds for r in probed.found)]), probed.bound_seconds):
             # The best plan is within CLOSE of a bound for every plan, the goal: the search down, which may still prove it
             # optimal, ends once it has had `_LEAST_SHARE` of the time.
             ended.wait(max(0.0, started + least_seconds - time.perf_counter()))
