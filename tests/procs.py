@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 #: Fields of /proc/PID/stat after the command name: 1 is the parent PID, 3 the session id.
@@ -27,3 +28,17 @@ def as_in_a_terminal() -> None:
     A shell starts background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt handler,
     so without this the test would depend on how the suite itself was launched."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_until_loaded(pid: int, package: str, seconds: float) -> bool:
+    """Waits until process `pid` has mapped a file of the installed `package` (a native extension: its import has begun);
+    False when the process ends or `seconds` pass first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if f"/site-packages/{package}/" in Path(f"/proc/{pid}/maps").read_text():
+                return True
+        except OSError:  # ended
+            return False
+        time.sleep(0.001)
+    return False
