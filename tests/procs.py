@@ -1,4 +1,5 @@
-"""Live processes read off /proc, for the tests that check no process outlives a run."""
+"""Processes read off /proc: the live ones, for the tests that check no process outlives a run, and what one has
+loaded, for the tests that Ctrl-C a program at a known point of its start."""
 
 from __future__ import annotations
 
