@@ -88,7 +88,6 @@ class SmallCNN(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
-
 def _save_reference(name: str, arrays: dict, *, lr: float, batch: int, steps: int, losses: list[float], **extra: object) -> None:
     """A fixture's batches (`name.npz`) and what PyTorch's SGD reached on them (`name.json`), as `tests/torch_reference.py`
     reads them."""
@@ -99,6 +98,7 @@ def _save_reference(name: str, arrays: dict, *, lr: float, batch: int, steps: in
     np.savez(OUT / f"{name}.npz", **arrays)
     info = {"optimizer": "sgd", "lr": lr, "batch": batch, "steps": steps, "losses": losses, **extra, "torch": torch.__version__}
     (OUT / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+
 
 def _sgd_losses(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], lr: float) -> list[float]:
     """PyTorch's own SGD, one step per batch (`model(*batch)` is the loss): the losses pipelined training must reproduce."""
