@@ -603,7 +603,8 @@ def _print_plan_quality(plan: Any) -> None:
     ms = 1e3
     info = plan.solver
     console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
-                  f"iteration {plan.iteration_seconds * ms:.3f} ms ({plural(plan.batch, 'sample')}, {plural(plan.microbatches, 'micro-batch')}, {plan.schedule})",
+                  f"iteration {plan.iteration_seconds * ms:.3f} ms ({plural(plan.batch, 'sample')}, {plural(plan.microbatches, 'micro-batch')}"
+                  f"{', ' + plan.schedule if plan.mode == 'training' else ''})",
                   highlight=False)
     if plan.mode == "inference":
         console.print(f"inference (forward only): {plan.batch / plan.iteration_seconds:.4g} samples/s, "

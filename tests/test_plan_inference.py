@@ -86,6 +86,8 @@ def test_the_cli_plans_an_inference_pipeline(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     assert "inference (forward only):" in run.stdout and "latency" in run.stdout
     written = Plan.read(tmp_path / "plan.json")
+    # a forward-only pipeline has no backward to schedule: the iteration line names none
+    assert f"{written.microbatches} micro-batches)" in run.stdout and written.schedule not in run.stdout
     assert written.mode == "inference" and written.latency_seconds > 0
     bound = lower_bound(build_problem(load(str(model)), annotate(load(str(model))), load_target("fpga4"), batch=written.batch,
                                       microbatches=written.microbatches, mode="inference"), 2)
