@@ -100,3 +100,27 @@ def test_refinement_reaches_the_node_level_optimum_from_module_blocks() -> None:
     p = solve(problem, 3, max_blocks=3, time_limit=5)
     assert p.solver.blocks < problem.n
     assert p.bottleneck_seconds == pytest.approx(optimum, rel=1e-9)
+
+
+def _encoder_decoder() -> onnx.ModelProto:
+    """An encoder chain e0..e5 on x, then a decoder: d0..d11 on y alone, kv projects e5 (made long before, read by no node
+    since), q and k read d11 side by side; in this order."""
+    relu = lambda i, o: helper.make_node("Relu", [i], [o], name=o)  # noqa: E731
+    nodes = [relu("x" if i == 0 else f"e{i - 1}", f"e{i}") for i in range(6)]
+    nodes += [relu("y" if i == 0 else f"d{i - 1}", f"d{i}") for i in range(12)]
+    nodes += [relu("e5", "kv"), relu("d11", "q"), relu("d11", "k"), helper.make_node("Sum", ["q", "k", "kv"], ["out"], name="out")]
+    graph = helper.make_graph(nodes, "encdec", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 16]) for n in ("x", "y")],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 16])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_node_starting_a_branch_of_its_own_starts_a_block() -> None:
+    problem = _problem(_encoder_decoder())
+    at = {name: i for i, name in enumerate(problem.nodes)}
+    assert [at[n] for n in ("e5", "d0", "kv", "q", "k")] == [5, 6, 18, 19, 20]  # the order as written
+    starts = coarsen(problem, 4).starts.tolist()
+    # the decoder's first node, on its own input, and the projection of the encoder's output each start a block, wherever
+    # the gaps of least live bytes fall; k, reading what q beside it reads, does not
+    assert {at["d0"], at["kv"]} <= set(starts)
+    assert at["k"] not in starts
+    assert len(starts) < problem.n + 1  # still blocks, not nodes

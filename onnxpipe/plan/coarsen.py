@@ -9,6 +9,17 @@ the first of them was an accident of the window; the layer's end makes coarse st
 user reads the model. It never costs bytes (a module boundary wins only among gaps that carry equally few),
 and refinement still moves every cut node by node, so no plan the blocks miss is lost for that reason.
 
+A node that starts a branch of its own also starts a block (`_branch_starts`): every tensor it reads was made before
+the block ahead of its own and no node since has read it, or it reads none (model inputs and weights alone). Why: such a
+node (an encoder-decoder's cross-attention projections of the encoder's output, the decoder's embedding of its own
+input) may sit in any stage between its inputs' and its readers', and the best plans use that freedom, which a block
+gluing it to its neighbours in the order takes away. Measured on T5-small's export (683 nodes, forward only): the CP-SAT
+over blocks found 34.78 ms at 8 stages on fpga4 where the least plan node by node has 32.09 (32.90 with these blocks;
+the planner proved 32.09 least in 4.3 s instead of 7.6-8.1), and at 4 stages on gpu4 the proof from the better start
+came within 0.5% in 2.5-3.3 s (four runs) where it had ended at its 9 s, 0.7-1.1% short. A node reading what its
+neighbours read (a projection beside another) is no such start: GPT-2's and Swin-T's exports and the zoo's stacks have
+none, LLaMA's 12 at 8 stages (182 blocks), BART-base's and T5-small's 9-28.
+
 No block starts at a sealed gap (`Problem.sealed`: a sequence live across it in training), so no solver cuts one.
 
 Rounding a cut of the node-level problem that falls inside a block to that block's nearer boundary
@@ -101,8 +112,24 @@ def coarsen(problem: Problem, max_blocks: int) -> Blocks:
             least = np.flatnonzero(window <= window.min())
             cuts.append(lo + int(least[np.argmin(depth[lo + least])]))
         cuts.append(n)
-        starts = np.array(cuts)
+        starts = np.union1d(cuts, _branch_starts(problem, np.array(cuts)))
     return _blocks(problem, starts)
+
+
+def _branch_starts(problem: Problem, starts: np.ndarray) -> np.ndarray:
+    """Nodes inside a block (`starts`) that start a branch of their own (module docstring)."""
+    reads: list[list[int]] = [[] for _ in range(problem.n)]
+    for t, p in enumerate(problem.tensor_producer):
+        if p >= 0:
+            for c in problem.tensor_consumers[t]:
+                reads[int(c)].append(t)
+    branches = []
+    for b in range(len(starts) - 1):
+        near = int(starts[max(0, b - 1)])  # the start of the block ahead
+        for g in range(int(starts[b]) + 1, int(starts[b + 1])):
+            if all(problem.tensor_producer[t] < near and not ((near <= (c := problem.tensor_consumers[t])) & (c < g)).any() for t in reads[g]):
+                branches.append(g)
+    return np.array(branches, dtype=np.int64)
 
 
 def refine(problem: Problem, blocks: Blocks, node_stage: np.ndarray) -> Blocks:
