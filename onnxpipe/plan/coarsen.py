@@ -15,8 +15,8 @@ node (an encoder-decoder's cross-attention projections of the encoder's output, 
 input) may sit in any stage between its inputs' and its readers', and the best plans use that freedom, which a block
 gluing it to its neighbours in the order takes away. Measured on T5-small's export (683 nodes, forward only): the CP-SAT
 over blocks found 34.78 ms at 8 stages on fpga4 where the least plan node by node has 32.09 (32.90 with these blocks;
-the planner proved 32.09 least in 4.3 s instead of 7.6-8.1), and at 4 stages on gpu4 the proof from the better start
-came within 0.5% in 2.5-3.3 s (four runs) where it had ended at its 9 s, 0.7-1.1% short. A node reading what its
+the planner proved 32.09 least in 4.3-4.5 s instead of 7.6-8.4), and at 4 stages on gpu4 the proof from the better start
+came within 0.5% in 2.5 s (three runs) where it had ended at its 9 s, 0.7-1.1% short. A node reading what its
 neighbours read (a projection beside another) is no such start: GPT-2's and Swin-T's exports and the zoo's stacks have
 none, LLaMA's 12 at 8 stages (182 blocks), BART-base's and T5-small's 9-28.
 
