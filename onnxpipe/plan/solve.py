@@ -107,6 +107,8 @@ def solve(
     # Replica counts restricted to `replica_choices` (a large group) limit CP-SAT's search as coarsening does.
     restricted = replicas and any(len(d) > EXACT_REPLICAS for d in problem.group_devices)
     coarsened = blocks.count < problem.n or restricted
+    # The coarse plan is then only the start of a search node by node from the best plan (`_prove`).
+    proving = coarsened and not restricted and problem.n <= _PROVE_LEVEL
     result = CpResult(None, "UNKNOWN", math.inf, 0.0, 0.0)
 
     def progress_line(value: float, best: float) -> None:
@@ -115,7 +117,7 @@ def solve(
     if not coarsened and hint is not None and not deadline.passed():
         # Single nodes already: search down from the DP's plan, questions below it beside (`_prove`), the whole time.
         result = _prove(problem, blocks, hint, found[-1], stages, recompute, replicas, bound.seconds, deadline, report, progress_line)
-    elif (remaining := _coarse_seconds(problem, deadline, coarsened, restricted)) > 0:
+    elif (remaining := _coarse_seconds(deadline, coarsened, proving)) > 0:
         report(f"{plural(stages, 'stage')}: CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s{_best_so_far(problem, found)}")
         result = solve_cpsat(
             problem,
@@ -140,7 +142,7 @@ def solve(
     if coarsened and start is not None and not deadline.passed():
         found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, deadline, _REFINE_CP_SHARE * deadline.seconds, report))
     nodes, proof = blocks, result
-    if coarsened and not restricted and problem.n <= _PROVE_LEVEL and not deadline.passed() and (least := _choose(problem, found)) is not None:
+    if proving and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
         proof = _prove(problem, nodes, _layout_of(problem, least, nodes, replicas), least, stages, recompute, replicas, bound.seconds,
                        deadline.within(_PROVE_SHARE), report)
@@ -172,12 +174,12 @@ def solve(
     return dataclasses.replace(best, solver=info)
 
 
-def _coarse_seconds(problem: Problem, deadline: Deadline, coarsened: bool, restricted: bool) -> float:
+def _coarse_seconds(deadline: Deadline, coarsened: bool, proving: bool) -> float:
     """The CP-SAT over blocks' time. When the search node by node follows (`_prove`), its plan is only that search's
     start, so it takes no longer than refinement's CP-SAT: over BART-base's export at 8 heterogeneous stages (142 blocks,
     `coarsen`'s branch starts included) it ran 13 s, and the search node by node its 9 s after it: 23 s instead of 14."""
     remaining = deadline.remaining() * ((1 - _REFINE_SHARE) if coarsened else 1.0)
-    if coarsened and not restricted and problem.n <= _PROVE_LEVEL:
+    if proving:
         return min(remaining, _REFINE_CP_SHARE * deadline.seconds)
     return remaining
 
