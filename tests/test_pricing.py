@@ -119,7 +119,7 @@ def test_the_dp_prices_a_stage_as_the_rule(case: RandomModel, target: Target, da
 
         def dp(capacity: float) -> float:
             shrunk = dataclasses.replace(problem, capacity=np.array([capacity]))
-            return float(_stage_times(shrunk, blocks, table, _prefix(blocks), {}, 0, replicas[s], 0 if s else -1, flights[s], choice)[i, j])
+            return float(_stage_times(shrunk, blocks, table, _prefix(blocks), {}, 0, replicas[s], 0 if s else -1, 0, flights[s], choice)[i, j])
 
         sent = table.out_count[i, j] * problem.latency[0, 0] + table.out_bytes[i, j] / (replicas[s] * problem.bandwidth[0, 0])
         fanout = any(len(set(np.searchsorted(bounds, c, side="right") - 1) - {s}) > 1
