@@ -114,30 +114,37 @@ def solve(
     def progress_line(value: float, best: float) -> None:
         report(f"{plural(stages, 'stage')}: CP-SAT: bottleneck {value * 1e3:.3f} ms, bound {best * 1e3:.3f} ms")
 
-    if not coarsened and hint is not None and not deadline.passed():
-        # Single nodes already: search down from the DP's plan, questions below it beside (`_prove`), the whole time.
-        result = _prove(problem, blocks, hint, found[-1], stages, recompute, replicas, bound.seconds, deadline, report, progress_line)
-    elif (remaining := _coarse_seconds(deadline, coarsened, proving)) > 0:
-        report(f"{plural(stages, 'stage')}: CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s{_best_so_far(problem, found)}")
-        result = solve_cpsat(
-            problem,
-            blocks,
-            stages,
-            recompute=recompute,
-            replicas=replicas,
-            hint=hint,
-            floor_seconds=bound.seconds,
-            ceiling_seconds=found[-1].bottleneck_seconds if hint is not None else math.inf,
-            time_limit=remaining,
-            progress=progress_line,
-        )
-    if result.layout is not None:
-        found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
-    if not deadline.passed() or _choose(problem, found) is None:
-        report(f"{plural(stages, 'stage')}: comparing against baselines{_best_so_far(problem, found)}")
-        # The baselines of `stages` stages exactly as `compare` reports them, so the plan is never worse than any of them
-        # (data parallelism is one stage on every device: at one stage it counts, across device groups too).
-        found.extend(p for p in baselines(problem, stages, recompute, replicas, bounds=bounds).values() if len(p.stages) == stages)
+    # The baselines of `stages` stages, priced beside the first CP-SAT search once it searches (it leaves the interpreter lock;
+    # on two cores the coarse search leaves one free) instead of after it: 0.2-0.5 s of the exports' planning at 8 stages.
+    searching = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        priced = beside.submit(_baselines_once, searching, problem, stages, recompute, replicas, bounds)
+        try:
+            if not coarsened and hint is not None and not deadline.passed():
+                # Single nodes already: search down from the DP's plan, questions below it beside (`_prove`), the whole time.
+                result = _prove(problem, blocks, hint, found[-1], stages, recompute, replicas, bound.seconds, deadline, report, progress_line, searching)
+            elif (remaining := _coarse_seconds(deadline, coarsened, proving)) > 0:
+                report(f"{plural(stages, 'stage')}: CP-SAT over {plural(blocks.count, 'block')}, up to {remaining:.0f} s{_best_so_far(problem, found)}")
+                result = solve_cpsat(
+                    problem,
+                    blocks,
+                    stages,
+                    recompute=recompute,
+                    replicas=replicas,
+                    hint=hint,
+                    floor_seconds=bound.seconds,
+                    ceiling_seconds=found[-1].bottleneck_seconds if hint is not None else math.inf,
+                    time_limit=remaining,
+                    progress=progress_line,
+                    searching=searching,
+                )
+            if result.layout is not None:
+                found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
+            report(f"{plural(stages, 'stage')}: comparing against baselines{_best_so_far(problem, found)}")
+            searching.set()  # no search ran (out of time, or no plan to start from): priced now
+            found.extend(priced.result())
+        finally:
+            searching.set()  # the pricing thread ends however planning ends
     start = _choose(problem, found)
     if coarsened and start is not None and not deadline.passed():
         found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, deadline, _REFINE_CP_SHARE * deadline.seconds, report))
@@ -174,6 +181,13 @@ def solve(
     return dataclasses.replace(best, solver=info)
 
 
+def _baselines_once(searching: threading.Event, problem: Problem, stages: int, recompute: str, replicas: bool, bounds: Bounds) -> list[Plan]:
+    """The baselines of `stages` stages exactly as `compare` reports them (data parallelism is one stage on every device: at
+    one stage it counts, across device groups too), so the plan is never worse than any of them; priced once `searching`."""
+    searching.wait()
+    return [p for p in baselines(problem, stages, recompute, replicas, bounds=bounds).values() if len(p.stages) == stages]
+
+
 def _coarse_seconds(deadline: Deadline, coarsened: bool, proving: bool) -> float:
     """The CP-SAT over blocks' time. When the search node by node follows (`_prove`), its plan is only that search's
     start, so it takes no longer than refinement's CP-SAT: over BART-base's export at 8 heterogeneous stages (142 blocks,
@@ -185,7 +199,8 @@ def _coarse_seconds(deadline: Deadline, coarsened: bool, proving: bool) -> float
 
 
 def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, stages: int, recompute: str, replicas: bool, floor: float,
-           until: Deadline, report: Callable[[str], None], progress: Callable[[float, float], None] | None = None) -> CpResult:
+           until: Deadline, report: Callable[[str], None], progress: Callable[[float, float], None] | None = None,
+           searching: threading.Event | None = None) -> CpResult:
     """CP-SAT node by node down from the plan `least` (`hint`, its layout over `nodes`, when they can express it), its
     bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until
     `until`: a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes).
@@ -205,8 +220,9 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     asking = Stop()
     workers = half_the_cores()
     # Building a model is Python, which holds the interpreter lock: the questions build theirs once the search down is
-    # searching (CP-SAT leaves the lock), not against its build, which would start the search down later.
-    searching = threading.Event()
+    # searching (CP-SAT leaves the lock), not against its build, which would start the search down later (`searching`:
+    # the caller's, when more waits for it).
+    searching = searching or threading.Event()
 
     aim = len(problem.group_devices) == 1
     asked_below = [math.inf]  # the ceiling of the question being asked
