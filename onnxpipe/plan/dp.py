@@ -167,36 +167,44 @@ def _span(prefix: np.ndarray) -> np.ndarray:
 
 def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, gn, flight, recompute, with_choice=False):  # type: ignore[no-untyped-def]
     """(blocks+1, blocks+1) seconds per micro-batch of a stage i..j-1 on group g after one on gp, before one on gn (inf
-    where invalid or too big)."""
+    where invalid or too big). The spans each take once per group, or once (`cache`): the choices share them."""
     key = (g, r, gp, gn, flight, recompute, with_choice)
     if key in cache:
         return cache[key]
+
+    def once(name, make):  # type: ignore[no-untyped-def]
+        if name not in cache:
+            cache[name] = make()
+        return cache[name]
+
+    trained = once("trained", lambda: _span(prefix.trained))
+    state = once("state", lambda: state_bytes(_span(prefix.params), trained, problem.optimizer_states, problem.training))
+    acts = once("activations", lambda: _span(prefix.activations))
+    invalid = once("invalid", lambda: np.tril(np.ones_like(trained, dtype=bool)))
     base = cache.get(("base", g, r, gp, gn))
     if base is None:
-        forward = (_span(prefix.forward[g]) + table.crossing[g]) / r
-        backward = _span(prefix.backward[g]) / r
-        params = _span(prefix.params)
-        trained = _span(prefix.trained)
+        forward = once(("forward", g), lambda: _span(prefix.forward[g]) + table.crossing[g]) / r
+        backward = once(("backward", g), lambda: _span(prefix.backward[g])) / r
         comm = message_seconds(table.in_count * problem.latency[gp, g], table.in_bytes, r, problem.bandwidth[gp, g]) if gp >= 0 else 0.0
         comm = comm + message_seconds(table.out_count * problem.latency[g, gn], table.out_bytes, r, problem.bandwidth[g, gn])
         a0, a1 = problem.allreduce_affine(g, r)
         allreduce = np.where(trained > 0, a0 + a1 * trained, 0.0) if r > 1 else 0.0
-        keep = seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches)
-        state = state_bytes(params, trained, problem.optimizer_states, problem.training)
-        acts = _span(prefix.activations)
-        invalid = np.tril(np.ones_like(keep, dtype=bool))
-        base = (keep, forward, state, acts, invalid)
+        base = (seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches), forward)
         cache[("base", g, r, gp, gn)] = base
-    keep, forward, state, acts, invalid = base
+    keep, forward = base
     capacity = problem.capacity[g]
     mine = held(flight, r)  # whole micro-batches on one replica
     keep_fits = state + activation_bytes(mine, acts, table.stash_bytes, False) <= capacity
-    rc_fits = state + activation_bytes(mine, acts, table.stash_bytes, True) <= capacity
     t_keep = np.where(keep_fits & (recompute != "always"), keep, np.inf)
-    # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward; never where a node
-    # draws random numbers (`Problem.random`).
-    t_rc = np.where(rc_fits & (recompute != "never") & (_span(prefix.random) == 0), keep + forward, np.inf)
-    times = np.minimum(t_keep, t_rc)
+    if recompute == "never":
+        times, t_rc = t_keep, np.full_like(keep, np.inf)
+    else:
+        rc_fits = state + activation_bytes(mine, acts, table.stash_bytes, True) <= capacity
+        # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward; never where a node
+        # draws random numbers (`Problem.random`).
+        random = once("random", lambda: _span(prefix.random) > 0)
+        t_rc = np.where(rc_fits & ~random, keep + forward, np.inf)
+        times = np.minimum(t_keep, t_rc)
     times[invalid] = np.inf
     cache[key] = (times, t_rc < t_keep) if with_choice else times
     return cache[key]
