@@ -12,7 +12,7 @@ whatever its cuts (CP-SAT's proven bound, raised by the questions, only when it 
 was coarsened, or `_prove` ran; the first-principles bound otherwise), and `gap` is measured against it;
 `least_bottleneck_seconds` is the least bottleneck found, which a plan ranked by iteration time may exceed.
 
-Reading order: `solve` -> `_prove` -> `_refine` -> `_stage_of_nodes` -> `_layout_of` -> `_choose` -> `_ensure_some_fit`.
+Reading order: `solve` -> `_baselines_once` -> `_prove` -> `_refine` -> `_stage_of_nodes` -> `_layout_of` -> `_choose` -> `_ensure_some_fit`.
 """
 
 from __future__ import annotations
