@@ -136,10 +136,10 @@ def solve_dp(
     return _backtrack(problem, blocks, table, prefix, layers, min(finals)[1], flights, recompute)
 
 
-def _replica_counts(counts: tuple[int, ...], used: tuple[int, ...], g: int, spare: int, replicas: bool, in_order: bool) -> list[int]:
+def _replica_counts(counts: tuple[int, ...], used: tuple[int, ...], g: int, spare: int, replicas: bool, in_order: bool) -> tuple[int, ...]:
     """The replica counts a stage on group g may take (none in target order while an earlier group has devices left)."""
     if in_order and any(u < c for u, c in zip(used[:g], counts[:g])):
-        return []
+        return ()
     return replica_choices(counts[g], min(counts[g] - used[g], spare) if replicas else min(1, counts[g] - used[g]))
 
 
