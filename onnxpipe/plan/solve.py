@@ -138,13 +138,12 @@ def solve(
                     progress=progress_line,
                     searching=searching,
                 )
-            if result.layout is not None:
-                found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
-            report(f"{plural(stages, 'stage')}: comparing against baselines{_best_so_far(problem, found)}")
-            searching.set()  # no search ran (out of time, or no plan to start from): priced now
-            found.extend(priced.result())
         finally:
-            searching.set()  # the pricing thread ends however planning ends
+            searching.set()  # priced now where no search ran (out of time, or no plan to start from); ends however planning ends
+        if result.layout is not None:
+            found.append(evaluate(problem, to_assignment(problem, blocks, result.layout), replicas=replicas, bounds=bounds))
+        report(f"{plural(stages, 'stage')}: comparing against baselines{_best_so_far(problem, found)}")
+        found.extend(priced.result())
     start = _choose(problem, found)
     if coarsened and start is not None and not deadline.passed():
         found.extend(_refine(problem, blocks, start, stages, recompute, replicas, bounds, deadline, _REFINE_CP_SHARE * deadline.seconds, report))
