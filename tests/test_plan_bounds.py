@@ -303,3 +303,55 @@ def test_never_above_brute_force_on_branching_graphs_with_replicas_over_several_
     graph, flops = branching_case(data)
     problem = build_problem(graph, mixed_costs(graph, flops), mixed_target(2, latency, spec=NEAR_TWINS), batch=graph.batch * 4, microbatches=4)
     assert chain_bound(problem, stages) <= optimum(problem, stages, mixed=True) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_it_charges_what_a_cut_must_carry_where_the_link_is_slow(mode: str) -> None:
+    # Four equal nodes in a row on two devices behind a slow link: every plan's slower stage holds two nodes and sends or
+    # receives one tensor of 1.3 ms, a sixth of its time or more, which the walk charges (it charged the link's latency).
+    graph = load(chain_model(4, {}))
+    problem = build_problem(graph, mixed_costs(graph, [1e9] * 4), one_group_target(2, 1e-6, 1e5), batch=graph.batch * 2, microbatches=2,
+                            mode=mode)
+    message = problem.tensor_bytes[1] / 1e5
+    assert message > optimum(problem, 2) / 6
+    assert chain_bound(problem, 2) == pytest.approx(optimum(problem, 2), rel=1e-5)
+
+
+def varied_model(data: st.DataObject) -> onnx.ModelProto:
+    """3 to 5 nodes, each a MatMul to a narrow or wide tensor, or a Concat of two of the last three tensors: cuts carry
+    tensors of several sizes, parallel branches make segments of several nodes."""
+    nodes, inits, tensors = [], [], [("x", 8)]
+    for i in range(data.draw(st.integers(3, 5))):
+        reads = data.draw(st.lists(st.sampled_from(tensors[-3:]), min_size=1, max_size=min(2, len(tensors)), unique=True))
+        if len(reads) == 1:
+            (name, width), out = reads[0], data.draw(st.sampled_from([2, 32]))
+            inits.append(helper.make_tensor(f"w{i}", TensorProto.FLOAT, [width, out], [0.1] * (width * out)))
+            nodes.append(helper.make_node("MatMul", [name, f"w{i}"], [f"t{i}"], name=f"n{i}"))
+        else:
+            out = sum(w for _, w in reads)
+            nodes.append(helper.make_node("Concat", [n for n, _ in reads], [f"t{i}"], name=f"n{i}", axis=1))
+        tensors.append((f"t{i}", out))
+    read = {t for n in nodes for t in n.input}
+    ends = [t for t in tensors[1:] if t[0] not in read]
+    if len(ends) > 1:
+        nodes.append(helper.make_node("Concat", [n for n, _ in ends], ["z"], name="z", axis=1))
+        ends = [("z", sum(w for _, w in ends))]
+    graph = helper.make_graph(nodes, "varied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info(ends[0][0], TensorProto.FLOAT, [2, ends[0][1]])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([1e3, 1e5, 1e9]), st.integers(2, 3), st.sampled_from(["fast-slow", "near-twins", "one"]))
+def test_the_messages_it_charges_never_lift_it_above_brute_force(data: st.DataObject, bandwidth: float, stages: int, spec: str) -> None:
+    """Slow links, so that what each stage must receive and send (`_Cuts`) weighs as much as its work."""
+    graph = load(varied_model(data))
+    flops = data.draw(st.lists(st.sampled_from([1e5, 1e7, 1e9]), min_size=len(graph.compute_nodes), max_size=len(graph.compute_nodes)))
+    params = data.draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=len(flops), max_size=len(flops)))
+    if spec == "one":
+        target = one_group_target(3 if stages == 3 else 4, 1e-6, bandwidth)
+    else:
+        target = mixed_target(1 if stages == 3 else 2, 1e-6, bandwidth, spec=FAST_SLOW if spec == "fast-slow" else NEAR_TWINS)
+    mode = data.draw(st.sampled_from(["training", "inference"]))
+    problem = build_problem(graph, mixed_costs(graph, flops, params), target, batch=graph.batch * 2, microbatches=2, mode=mode)
+    assert chain_bound(problem, stages) <= optimum(problem, stages) * (1 + 1e-9)

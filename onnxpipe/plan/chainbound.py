@@ -2,7 +2,8 @@
 contiguous and runs on one device group, which the fractional work bound does not.
 
 Reading order: `Segments` / `segments` (graph only, cached) -> `chain_bound` -> `_Chain` (per problem)
--> `_feasible` (the DP for one T) -> `_Chain.reach`.
+-> `_feasible` (the DP for one T) -> `_Chain.reach` -> `_Chain._reach_paying`; `_Cuts` / `_cuts` (per problem, cached)
+-> `_least_cut` -> `_Messages` -> `_Priced`.
 
 Why it is valid:
 
@@ -44,6 +45,24 @@ Why it is valid:
    plans is): a farther start never costs more, so farther dominates. T is feasible iff some
    walk of exactly `stages` stages (empty ones allowed) within the device counts reaches the end; the
    bound is the largest infeasible T found by bisection. Memory and recompute only add, so are ignored.
+5. A stage on one group also pays for the messages it must receive and send (`_Chain._reach_paying`), each tensor on the
+   cheapest link from a group some earlier stage runs on (to one a later stage may run on: the DP's state holds the
+   devices used), at those links' least latency and most bandwidth. Say the stage starts in segment i and ends in
+   segment j (their nodes not all done when it starts, ends). If i < j, it holds the rest of segment i after a part D done
+   before (a downset of the segment, maybe empty), so it receives at least what that rest reads from before the segment
+   or from D (`_Cuts.into`: a minimum cut over D, and no less than what its first node reads); and it holds a last node
+   of segment j - 1 and a part E of segment j (a downset, maybe empty, never all of it), so it sends at least what those
+   write that is read outside E (`_Cuts.out`: a minimum cut over E, and no less than what its last node writes); and it
+   holds the segments between i and j whole, so it also receives every tensor written before segment i that one of them
+   reads (and segment i does not), and sends every tensor written in one of them but the last that a segment after j
+   reads (`_Skips`: the residual stream around a normalisation, an attention mask). If
+   i = j, it receives what its first node reads and sends what its last node writes (`_Cuts.first`, `last`). Only what
+   kept nodes write counts (a dropped node may sit in any stage; what a kept node writes only kept nodes read). The
+   walk's start is at or past the plan's (3), whose stage may start in an earlier segment i'; it then also does the work
+   from the end of i' to the walk's start, and that of a last node of i', which the charge takes off
+   (`_Priced.skipped`; the tensors skipping segment i' are not counted then). Only where every node takes time on the group do positions tell which segments are done:
+   elsewhere its stages pay latencies alone. The charge changes with the end's segment, so the farthest end is found
+   segment by segment down from the farthest that work alone reaches; the reach is the least of that and (3)'s.
 """
 
 from __future__ import annotations
@@ -51,8 +70,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
+import networkx as nx
 import numpy as np
 
 from onnxpipe.plan.deadline import Deadline
@@ -176,6 +197,13 @@ class _Chain:
         ok = [[self.counts[h] >= (2 if h == g else 1) for h in groups] for g in groups]
         self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
         self.lat_out = [min((float(latency[g, h]) for h in groups if ok[g][h]), default=0.0) for g in groups]
+        cuts = _cuts_of(problem, segs)
+        #: Per group: the message charges of its stages; None where some node takes no time on it (its positions then
+        #: do not tell which segments are done: `_Messages`).
+        self.messages = [
+            _Messages(cuts, self.prefix[g], problem.forward[g] + problem.backward[g], g, ok, problem) if (work[g] > 0).all() and self.m > 1 else None
+            for g in groups
+        ]
         links = [float(latency[g, h]) for g in groups for h in groups if ok[g][h]]
         #: Least latency of any message, for stages replicated over several groups.
         self.lat_any = min(links, default=0.0)
@@ -195,16 +223,46 @@ class _Chain:
         i = min(int(x), self.m - 1)
         return self.prefix[g][i] + (x - i) * self.seg[g][i]
 
-    def reach(self, g: int, r: int, a: float, t: float, ring: bool = True) -> float:
+    def reach(self, g: int, r: int, a: float, t: float, ring: bool = True, before: tuple[bool, ...] | None = None,
+              after: tuple[bool, ...] | None = None) -> float:
         """Farthest position (a supremum) a stage on r replicas of g starting at a can cover within t;
         `ring` False: the stage's replicas span several groups (no all-reduce, any link's latency)."""
         m = self.m
         lat_in = (self.lat_in[g] if ring else self.lat_any) if a > 0 else 0.0
         lat_out = (self.lat_out[g] if ring else self.lat_any) if a < m - 1 else 0.0
         if self._cost(g, r, a, m, ring) + (lat_in if m > max(a, 1.0) else 0.0) <= t:
+            y = float(m)
+        else:
+            early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out, ring))
+            y = min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring)))
+        if ring and self.messages[g] is not None:
+            every = (True,) * len(self.counts)
+            y = self._reach_paying(g, r, a, t, before or every, after or every, y)  # both hold: the least of them
+        return self._whole(a, y)
+
+    def _reach_paying(self, g: int, r: int, a: float, t: float, before: tuple[bool, ...], after: tuple[bool, ...], most: float) -> float:
+        """`reach` charging the messages of `_Messages` (module docstring, 5), at most `most`: the farthest end segment by
+        segment down from there, each segment's charge its own."""
+        m, messages = self.m, self.messages[g]
+        assert messages is not None
+        paid = messages(r, before, after)
+        first = min(int(a), m - 1)
+        # What the stage receives, whichever segment its real start (at or before a) lies in: in a's segment, or in an
+        # earlier one i, where it also does the work from i's end to a.
+        later = paid.skipped[first] + self.covered(g, a) / r
+        skips = messages.cuts.skips
+        if most >= m and self._cost(g, r, a, m, True) + min(paid.into[first] + paid.receiving(skips.past(first, m), r), later) <= t:
             return float(m)
-        early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out, ring))
-        return self._whole(a, min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring))))
+        for j in range(min(int(most), m - 1), first - 1, -1):
+            if j > first:
+                sent = paid.out[j] + paid.sending(skips.held(first, j), r)
+                charge = min(paid.into[first] + paid.receiving(skips.past(first, j), r), later) + sent
+            else:
+                charge = min(paid.inside[j], later + paid.out[j])
+            y = self._solve(g, r, a, t - charge, True)
+            if y >= j:
+                return min(y, j + 1.0, most)
+        return a
 
     def _whole(self, a: float, y: float) -> float:
         """`y` rounded down to the start of a one-node segment it ends inside (never below `a`)."""
@@ -306,7 +364,8 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
                 for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):
                     if sum(used) + r > spare:
                         break
-                    y = chain.reach(g, r, x[g], t)
+                    y = chain.reach(g, r, x[g], t, before=tuple(u > 0 for u in used),
+                                    after=tuple(n - u - (r if h == g else 0) > 0 for h, (u, n) in enumerate(zip(used, chain.counts))))
                     if y >= chain.m:
                         return True
                     keep(used[:g] + (used[g] + r,) + used[g + 1:], g, x, {g: y}, r)
@@ -339,3 +398,250 @@ def _knapsacks(of: np.ndarray, on_g: np.ndarray, on_h: np.ndarray, segments: int
 def _mixes(chain: _Chain) -> list[tuple[int, ...]]:
     """Device counts per group of a stage replicated over two or more groups."""
     return [mix for mix in itertools.product(*(range(c + 1) for c in chain.counts)) if sum(1 for c in mix if c) >= 2]
+
+
+@dataclass(frozen=True, eq=False)
+class _Cuts:
+    """Per segment, the least (bytes, count) of the tensors crossing into or out of stages around it (module docstring,
+    5): rows 0 and 1 of each array. Graph and micro-batch only: computed once per problem."""
+
+    #: A stage that starts in segment i and ends past it: what its first node and the rest of segment i receive.
+    into: np.ndarray
+    #: A stage that ends in segment j and started before it: what the last node of segment j - 1 it holds and its part of
+    #: segment j send (unused at j = 0).
+    out: np.ndarray
+    #: A stage inside segment i: what its first node receives, and what its last node sends.
+    first: np.ndarray
+    last: np.ndarray
+    #: The nodes of each segment that no other node of it reads from: one of them is in every stage holding its end.
+    sinks: tuple[tuple[int, ...], ...]
+    #: Tensors that skip segments: a stage starting in segment i and ending in j > i also receives every tensor written
+    #: before segment i, not read in it and read in a segment before j (`_Skips.past`); and sends every tensor written in
+    #: a segment it holds whole before j - 1 and read after j (`_Skips.held`).
+    skips: _Skips
+
+
+_CUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cuts_of(problem: Problem, segs: Segments) -> _Cuts:
+    if problem not in _CUTS:
+        _CUTS[problem] = _cuts(problem, segs)
+    return _CUTS[problem]
+
+
+def _cuts(problem: Problem, segs: Segments) -> _Cuts:
+    m, of = segs.count, segs.of
+    members: list[list[int]] = [[] for _ in range(m)]
+    for v in np.flatnonzero(of >= 0):
+        members[int(of[v])].append(int(v))
+    # Kept nodes only: a dropped node's tensors are not counted (it may sit in any stage); what a kept node writes is read
+    # by kept nodes only (what a kept node reaches is kept).
+    tensors = [_Tensor(int(p), [int(c) for c in cs], float(b), int(of[max(cs, key=lambda c: of[c])]))
+               for p, cs, b in zip(problem.tensor_producer, problem.tensor_consumers, problem.tensor_bytes) if p >= 0 and of[p] >= 0]
+    reads: list[list[_Tensor]] = [[] for _ in range(problem.n)]
+    writes: list[list[_Tensor]] = [[] for _ in range(problem.n)]
+    read_in: list[list[_Tensor]] = [[] for _ in range(m)]
+    for t in tensors:
+        writes[t.producer].append(t)
+        for c in t.readers:
+            reads[c].append(t)
+        for i in sorted({int(of[c]) for c in t.readers}):
+            read_in[i].append(t)
+
+    def least(table: list[list[_Tensor]], nodes: list[int]) -> tuple[float, float]:
+        return min(sum(t.nbytes for t in table[v]) for v in nodes), min(len(table[v]) for v in nodes)
+
+    first = np.array([least(reads, members[i]) for i in range(m)]).T
+    last = np.array([least(writes, members[i]) for i in range(m)]).T
+    into, out = first.copy(), np.zeros((2, m))
+    memo: dict[tuple, float] = {}
+    for i in range(m):
+        if len(members[i]) > 1:
+            # After any part of segment i done before (maybe none): what its rest reads from before it or from that part.
+            terms = [_Term(t.producer if of[t.producer] == i else -1, t, False) for t in read_in[i]]
+            into[0, i] = max(into[0, i], _least_cut(members[i], terms, memo))
+        if i == 0:
+            continue
+        out[:, i] = np.minimum(last[:, i - 1], last[:, i])
+        made = [t for v in members[i] for t in writes[v]]
+        # A last node s of segment i - 1 and any part of segment i (maybe none): what they write that is read elsewhere.
+        sent = min(_least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in writes[s]), *(_Term(t.producer, t, t.last > i) for t in made)], memo)
+                   if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in _sinks(members[i - 1], writes, of))
+        out[0, i] = max(out[0, i], sent)
+    return _Cuts(into=into, out=out, first=first, last=last, sinks=tuple(tuple(_sinks(nodes, writes, of)) for nodes in members),
+                 skips=_Skips(tensors, of, m))
+
+
+class _Skips:
+    """What tensors that skip segments add to a stage's messages (`_Cuts.skips`), as (bytes, count) sums by binary search."""
+
+    def __init__(self, tensors: list[_Tensor], of: np.ndarray, m: int) -> None:
+        # into[i]: (first segment after i that reads it, bytes) of each tensor written before segment i, read after it but
+        # not in it; alive[j]: (segment it is written in, bytes) of each tensor written at least two segments before j and
+        # read after j.
+        into: list[list[tuple[int, float]]] = [[] for _ in range(m)]
+        alive: list[list[tuple[int, float]]] = [[] for _ in range(m + 1)]
+        for t in tensors:
+            made, read = int(of[t.producer]), sorted({int(of[c]) for c in t.readers})
+            nxt = 0
+            for i in range(made + 1, read[-1]):
+                while read[nxt] < i:
+                    nxt += 1
+                if read[nxt] > i:
+                    into[i].append((read[nxt], t.nbytes))
+            for j in range(made + 2, read[-1]):
+                alive[j].append((made, t.nbytes))
+        self._past = [_sums(sorted(pairs)) for pairs in into]
+        self._held = [_sums(sorted(pairs)) for pairs in alive]
+
+    def past(self, i: int, j: int) -> tuple[float, int]:
+        """Of the tensors written before segment i and not read in it, those read in a segment before j."""
+        keys, sums = self._past[i]
+        n = bisect.bisect_left(keys, j)
+        return sums[n][0], n
+
+    def held(self, i: int, j: int) -> tuple[float, int]:
+        """Of the tensors written two or more segments before j and read after it, those written after segment i."""
+        keys, sums = self._held[j]
+        n = bisect.bisect_right(keys, i)
+        return sums[-1][0] - sums[n][0], len(keys) - n
+
+
+def _sums(pairs: list[tuple[int, float]]) -> tuple[list[int], list[tuple[float, int]]]:
+    """The keys, and the running (bytes, count) before each key and after the last."""
+    return [k for k, _ in pairs], [(float(b), n) for n, b in enumerate([0.0, *itertools.accumulate(b for _, b in pairs)])]
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    producer: int
+    readers: list[int]
+    nbytes: float
+    #: The last segment that reads it.
+    last: int
+
+
+@dataclass(frozen=True)
+class _Term:
+    """A tensor in a cut problem: its producer (-1: on the source's side whatever the cut), and whether it counts however
+    the segment is cut once its producer is on that side (it is read beyond the segment)."""
+
+    producer: int
+    tensor: _Tensor
+    beyond: bool
+
+
+def _sinks(nodes: list[int], writes: list[list[_Tensor]], of: np.ndarray) -> list[int]:
+    """The nodes of a segment no other node of it reads from."""
+    return [v for v in nodes if not any(of[c] == of[v] for t in writes[v] for c in t.readers)]
+
+
+def _least_cut(nodes: list[int], terms: list[_Term], memo: dict[tuple, float]) -> float:
+    """Least bytes of the `terms` over the proper downsets A of a segment's `nodes` (A may be empty, never the whole
+    segment): a term counts when its producer is in A and it is read beyond the segment or by a node outside A. A minimum
+    cut (A on the source's side) per last node of the segment kept out of A; segments of the same shape (a model's layers)
+    are solved once."""
+    local = {v: n for n, v in enumerate(nodes)}
+    inside = [(local.get(t.producer, -1), tuple(local[c] for c in t.tensor.readers if c in local)) for t in terms]
+    key = (len(nodes), tuple((p, rs, term.beyond, term.tensor.nbytes) for (p, rs), term in zip(inside, terms)),
+           tuple(sorted({(local[c], local[t.tensor.producer]) for t in terms if t.tensor.producer in local for c in t.tensor.readers if c in local})))
+    if key not in memo:
+        memo[key] = _cut_value(*key)
+    return memo[key]
+
+
+def _cut_value(count: int, terms: tuple, order: tuple) -> float:
+    graph = nx.DiGraph()
+    graph.add_nodes_from(["s", "t", *range(count)])
+    graph.add_edge("out", "t")  # infinite: a node joined to it is kept out of A
+    graph.add_edges_from(order)  # no capacity: infinite; a reader in A has its producer in A
+    constant = 0.0
+    for n, (p, readers, beyond, nbytes) in enumerate(terms):
+        source = "s" if p < 0 else p
+        if beyond:
+            if p < 0:
+                constant += nbytes
+            else:
+                _add(graph, source, "t", nbytes)
+        elif len(readers) == 1:
+            _add(graph, source, readers[0], nbytes)
+        elif readers:
+            graph.add_edge(source, ("term", n), capacity=nbytes)
+            graph.add_edges_from((("term", n), c) for c in readers)
+    least = math.inf
+    for sink in [v for v in range(count) if v not in {p for _, p in order}]:  # a proper downset leaves out a last node
+        graph.add_edge(sink, "out")
+        least = min(least, nx.maximum_flow_value(graph, "s", "t"))
+        graph.remove_edge(sink, "out")
+    return constant + least
+
+
+def _add(graph: nx.DiGraph, a: object, b: object, capacity: float) -> None:
+    """An arc's capacity added to any it has (an arc without one stays infinite)."""
+    if graph.has_edge(a, b):
+        if "capacity" in graph[a][b]:
+            graph[a][b]["capacity"] += capacity
+    else:
+        graph.add_edge(a, b, capacity=capacity)
+
+
+class _Messages:
+    """One group's message charges in seconds, by replica count and by the groups that earlier stages and later ones may
+    run on (each tensor priced on the cheapest link from one of the first or to one of the second, its latency the least
+    of those links' and its bytes at the most bandwidth), from `_Cuts`; each priced when first asked for."""
+
+    def __init__(self, cuts: _Cuts, prefix: list[float], work: np.ndarray, g: int, ok: list[list[bool]], problem: Problem) -> None:
+        self.cuts, self.g, self.ok, self.problem = cuts, g, ok, problem
+        # Work on the group up to each segment's end, less the least work of a node that a stage starting inside the segment
+        # and ending past it holds (one of its last nodes).
+        self.ends = np.asarray(prefix[1:]) - np.array([min(work[v] for v in sinks) for sinks in cuts.sinks])
+        self._priced: dict[tuple[int, tuple[bool, ...], tuple[bool, ...]], _Priced] = {}
+
+    def __call__(self, r: int, before: tuple[bool, ...], after: tuple[bool, ...]) -> _Priced:
+        key = (r, before, after)
+        if key not in self._priced:
+            g, ok, cuts = self.g, self.ok, self.cuts
+            into = self._price(cuts.into, [(h, g) for h in range(len(ok)) if ok[g][h] and before[h]], r)
+            out = self._price(cuts.out, [(g, h) for h in range(len(ok)) if ok[g][h] and after[h]], r)
+            inside = self._price(cuts.first, [(h, g) for h in range(len(ok)) if ok[g][h] and before[h]], r)
+            inside += self._price(cuts.last, [(g, h) for h in range(len(ok)) if ok[g][h] and after[h]], r)
+            # min over i < first of into(i) - (work up to segment i's end) / r: a start in an earlier segment i does the work
+            # from i's end to the walk's start too.
+            early = np.minimum.accumulate(into - self.ends / r)
+            self._priced[key] = _Priced(into.tolist(), out.tolist(), inside.tolist(), [math.inf, *early.tolist()],
+                                        self._link([(h, g) for h in range(len(ok)) if ok[g][h] and before[h]]),
+                                        self._link([(g, h) for h in range(len(ok)) if ok[g][h] and after[h]]))
+        return self._priced[key]
+
+    def _price(self, rows: np.ndarray, links: list[tuple[int, int]], r: int) -> np.ndarray:
+        latency, bandwidth = self._link(links)
+        return rows[1] * latency + rows[0] / (r * bandwidth)
+
+    def _link(self, links: list[tuple[int, int]]) -> tuple[float, float]:
+        """The least latency and the most bandwidth of `links` (none: messages cost nothing)."""
+        if not links:
+            return 0.0, math.inf
+        return min(float(self.problem.latency[a, b]) for a, b in links), max(float(self.problem.bandwidth[a, b]) for a, b in links)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """Per segment, in seconds (module docstring, 5): what a stage starting in it and ending past it receives, what a stage
+    ending in it that started before sends, what a stage inside it receives and sends; and the least over the earlier
+    segments i of what a stage starting in i receives less the work from i's end (`_Chain._reach_paying`)."""
+
+    into: list[float]
+    out: list[float]
+    inside: list[float]
+    skipped: list[float]
+    #: (latency, bandwidth) of the cheapest messages in and out.
+    link_in: tuple[float, float]
+    link_out: tuple[float, float]
+
+    def receiving(self, messages: tuple[float, int], r: int) -> float:
+        """Seconds that (bytes, count) of messages in cost a stage of r replicas."""
+        return messages[1] * self.link_in[0] + messages[0] / (r * self.link_in[1])
+
+    def sending(self, messages: tuple[float, int], r: int) -> float:
+        return messages[1] * self.link_out[0] + messages[0] / (r * self.link_out[1])
