@@ -60,9 +60,9 @@ Why it is valid:
    kept nodes write counts (a dropped node may sit in any stage; what a kept node writes only kept nodes read). The
    walk's start is at or past the plan's (3), whose stage may start in an earlier segment i'; it then also does the work
    from the end of i' to the walk's start, and that of a last node of i', which the charge takes off
-   (`_Priced.skipped`; the tensors skipping segment i' are not counted then). Only where every node takes time on the group do positions tell which segments are done:
-   elsewhere its stages pay latencies alone. The charge changes with the end's segment, so the farthest end is found
-   segment by segment down from the farthest that work alone reaches; the reach is the least of that and (3)'s.
+   (`_Priced.skipped`; the tensors skipping segment i' are not counted then). Only where every node takes time on the
+   group do positions tell which segments are done: elsewhere its stages pay latencies alone. The charge changes with
+   the end's segment, so the farthest end is found segment by segment down from (3)'s reach, which it never exceeds.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ import numpy as np
 
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
+from onnxpipe.pricing.stage import message_seconds
 
 __all__ = ["Segments", "segments", "chain_bound"]
 
@@ -201,7 +202,8 @@ class _Chain:
         #: Per group: the message charges of its stages; None where some node takes no time on it (its positions then
         #: do not tell which segments are done: `_Messages`).
         self.messages = [
-            _Messages(cuts, self.prefix[g], problem.forward[g] + problem.backward[g], g, ok, problem) if (work[g] > 0).all() and self.m > 1 else None
+            _Messages(cuts, self.prefix[g], problem.forward[g] + problem.backward[g], g, ok, problem)
+            if (work[g] > 0).all() and self.m > 1 else None
             for g in groups
         ]
         links = [float(latency[g, h]) for g in groups for h in groups if ok[g][h]]
@@ -240,9 +242,10 @@ class _Chain:
             y = self._reach_paying(g, r, a, t, before or every, after or every, y)  # both hold: the least of them
         return self._whole(a, y)
 
-    def _reach_paying(self, g: int, r: int, a: float, t: float, before: tuple[bool, ...], after: tuple[bool, ...], most: float) -> float:
-        """`reach` charging the messages of `_Messages` (module docstring, 5), at most `most`: the farthest end segment by
-        segment down from there, each segment's charge its own."""
+    def _reach_paying(self, g: int, r: int, a: float, t: float, before: tuple[bool, ...], after: tuple[bool, ...],
+                      farthest: float) -> float:
+        """`reach` charging the messages of `_Messages` (module docstring, 5), at most `farthest` (the latency-only reach):
+        the farthest end segment by segment down from there, each segment's charge its own."""
         m, messages = self.m, self.messages[g]
         assert messages is not None
         paid = messages(r, before, after)
@@ -251,9 +254,9 @@ class _Chain:
         # earlier one i, where it also does the work from i's end to a.
         later = paid.skipped[first] + self.covered(g, a) / r
         skips = messages.cuts.skips
-        if most >= m and self._cost(g, r, a, m, True) + min(paid.into[first] + paid.receiving(skips.past(first, m), r), later) <= t:
+        if farthest >= m and self._cost(g, r, a, m, True) + min(paid.into[first] + paid.receiving(skips.past(first, m), r), later) <= t:
             return float(m)
-        for j in range(min(int(most), m - 1), first - 1, -1):
+        for j in range(min(int(farthest), m - 1), first - 1, -1):
             if j > first:
                 sent = paid.out[j] + paid.sending(skips.held(first, j), r)
                 charge = min(paid.into[first] + paid.receiving(skips.past(first, j), r), later) + sent
@@ -261,7 +264,7 @@ class _Chain:
                 charge = min(paid.inside[j], later + paid.out[j])
             y = self._solve(g, r, a, t - charge, True)
             if y >= j:
-                return min(y, j + 1.0, most)
+                return min(y, j + 1.0, farthest)
         return a
 
     def _whole(self, a: float, y: float) -> float:
@@ -466,8 +469,8 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         out[:, i] = np.minimum(last[:, i - 1], last[:, i])
         made = [t for v in members[i] for t in writes[v]]
         # A last node s of segment i - 1 and any part of segment i (maybe none): what they write that is read elsewhere.
-        sent = min(_least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in writes[s]), *(_Term(t.producer, t, t.last > i) for t in made)], memo)
-                   if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in _sinks(members[i - 1], writes, of))
+        sent = min(_least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in writes[s]), *(_Term(t.producer, t, t.last > i) for t in made)],
+                              memo) if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in _sinks(members[i - 1], writes, of))
         out[0, i] = max(out[0, i], sent)
     return _Cuts(into=into, out=out, first=first, last=last, sinks=tuple(tuple(_sinks(nodes, writes, of)) for nodes in members),
                  skips=_Skips(tensors, of, m))
@@ -545,7 +548,8 @@ def _least_cut(nodes: list[int], terms: list[_Term], memo: dict[tuple, float]) -
     local = {v: n for n, v in enumerate(nodes)}
     inside = [(local.get(t.producer, -1), tuple(local[c] for c in t.tensor.readers if c in local)) for t in terms]
     key = (len(nodes), tuple((p, rs, term.beyond, term.tensor.nbytes) for (p, rs), term in zip(inside, terms)),
-           tuple(sorted({(local[c], local[t.tensor.producer]) for t in terms if t.tensor.producer in local for c in t.tensor.readers if c in local})))
+           tuple(sorted({(local[c], local[t.tensor.producer]) for t in terms if t.tensor.producer in local
+                         for c in t.tensor.readers if c in local})))
     if key not in memo:
         memo[key] = _cut_value(*key)
     return memo[key]
@@ -616,7 +620,7 @@ class _Messages:
 
     def _price(self, rows: np.ndarray, links: list[tuple[int, int]], r: int) -> np.ndarray:
         latency, bandwidth = self._link(links)
-        return rows[1] * latency + rows[0] / (r * bandwidth)
+        return message_seconds(rows[1] * latency, rows[0], r, bandwidth)  # count messages of these bytes in all
 
     def _link(self, links: list[tuple[int, int]]) -> tuple[float, float]:
         """The least latency and the most bandwidth of `links` (none: messages cost nothing)."""
@@ -641,7 +645,7 @@ class _Priced:
 
     def receiving(self, messages: tuple[float, int], r: int) -> float:
         """Seconds that (bytes, count) of messages in cost a stage of r replicas."""
-        return messages[1] * self.link_in[0] + messages[0] / (r * self.link_in[1])
+        return message_seconds(messages[1] * self.link_in[0], messages[0], r, self.link_in[1])
 
     def sending(self, messages: tuple[float, int], r: int) -> float:
-        return messages[1] * self.link_out[0] + messages[0] / (r * self.link_out[1])
+        return message_seconds(messages[1] * self.link_out[0], messages[0], r, self.link_out[1])
