@@ -228,7 +228,8 @@ class _Chain:
     def reach(self, g: int, r: int, a: float, t: float, ring: bool = True, before: tuple[bool, ...] | None = None,
               after: tuple[bool, ...] | None = None) -> float:
         """Farthest position (a supremum) a stage on r replicas of g starting at a can cover within t;
-        `ring` False: the stage's replicas span several groups (no all-reduce, any link's latency)."""
+        `ring` False: the stage's replicas span several groups (no all-reduce, any link's latency). `before`, `after`: the
+        groups earlier and later stages may run on, for the messages it pays (None: latencies alone)."""
         m = self.m
         lat_in = (self.lat_in[g] if ring else self.lat_any) if a > 0 else 0.0
         lat_out = (self.lat_out[g] if ring else self.lat_any) if a < m - 1 else 0.0
@@ -237,9 +238,8 @@ class _Chain:
         else:
             early = min(max(a, 1.0), self._solve(g, r, a, t - lat_out, ring))
             y = min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring)))
-        if ring and self.messages[g] is not None:
-            every = (True,) * len(self.counts)
-            y = self._reach_paying(g, r, a, t, before or every, after or every, y)  # both hold: the least of them
+        if ring and before is not None and after is not None and self.messages[g] is not None:
+            y = self._reach_paying(g, r, a, t, before, after, y)  # both hold: the least of them
         return self._whole(a, y)
 
     def _reach_paying(self, g: int, r: int, a: float, t: float, before: tuple[bool, ...], after: tuple[bool, ...],
@@ -363,12 +363,13 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
         for (used, _), x in level.items():
             if deadline is not None and deadline.passed():
                 raise _OutOfTime
+            before = tuple(u > 0 for u in used)
             for g in groups:
                 for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):
                     if sum(used) + r > spare:
                         break
-                    y = chain.reach(g, r, x[g], t, before=tuple(u > 0 for u in used),
-                                    after=tuple(n - u - (r if h == g else 0) > 0 for h, (u, n) in enumerate(zip(used, chain.counts))))
+                    after = tuple(n - u - (r if h == g else 0) > 0 for h, (u, n) in enumerate(zip(used, chain.counts)))
+                    y = chain.reach(g, r, x[g], t, before=before, after=after)
                     if y >= chain.m:
                         return True
                     keep(used[:g] + (used[g] + r,) + used[g + 1:], g, x, {g: y}, r)
@@ -440,7 +441,7 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         members[int(of[v])].append(int(v))
     # Kept nodes only: a dropped node's tensors are not counted (it may sit in any stage); what a kept node writes is read
     # by kept nodes only (what a kept node reaches is kept).
-    tensors = [_Tensor(int(p), [int(c) for c in cs], float(b), int(of[max(cs, key=lambda c: of[c])]))
+    tensors = [_Tensor(int(p), [int(c) for c in cs], float(b), tuple(sorted({int(of[c]) for c in cs})))
                for p, cs, b in zip(problem.tensor_producer, problem.tensor_consumers, problem.tensor_bytes) if p >= 0 and of[p] >= 0]
     reads: list[list[_Tensor]] = [[] for _ in range(problem.n)]
     writes: list[list[_Tensor]] = [[] for _ in range(problem.n)]
@@ -449,7 +450,7 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         writes[t.producer].append(t)
         for c in t.readers:
             reads[c].append(t)
-        for i in sorted({int(of[c]) for c in t.readers}):
+        for i in t.segments:
             read_in[i].append(t)
 
     def least(table: list[list[_Tensor]], nodes: list[int]) -> tuple[float, float]:
@@ -458,6 +459,7 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
     first = np.array([least(reads, members[i]) for i in range(m)]).T
     last = np.array([least(writes, members[i]) for i in range(m)]).T
     into, out = first.copy(), np.zeros((2, m))
+    sinks = [_sinks(nodes, writes, of) for nodes in members]
     memo: dict[tuple, float] = {}
     for i in range(m):
         if len(members[i]) > 1:
@@ -470,9 +472,9 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         made = [t for v in members[i] for t in writes[v]]
         # A last node s of segment i - 1 and any part of segment i (maybe none): what they write that is read elsewhere.
         sent = min(_least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in writes[s]), *(_Term(t.producer, t, t.last > i) for t in made)],
-                              memo) if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in _sinks(members[i - 1], writes, of))
+                              memo) if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in sinks[i - 1])
         out[0, i] = max(out[0, i], sent)
-    return _Cuts(into=into, out=out, first=first, last=last, sinks=tuple(tuple(_sinks(nodes, writes, of)) for nodes in members),
+    return _Cuts(into=into, out=out, first=first, last=last, sinks=tuple(map(tuple, sinks)),
                  skips=_Skips(tensors, of, m))
 
 
@@ -486,7 +488,7 @@ class _Skips:
         into: list[list[tuple[int, float]]] = [[] for _ in range(m)]
         alive: list[list[tuple[int, float]]] = [[] for _ in range(m + 1)]
         for t in tensors:
-            made, read = int(of[t.producer]), sorted({int(of[c]) for c in t.readers})
+            made, read = int(of[t.producer]), t.segments
             nxt = 0
             for i in range(made + 1, read[-1]):
                 while read[nxt] < i:
@@ -521,8 +523,12 @@ class _Tensor:
     producer: int
     readers: list[int]
     nbytes: float
-    #: The last segment that reads it.
-    last: int
+    #: The segments that read it, in order.
+    segments: tuple[int, ...]
+
+    @property
+    def last(self) -> int:
+        return self.segments[-1]
 
 
 @dataclass(frozen=True)
@@ -573,8 +579,8 @@ def _cut_value(count: int, terms: tuple, order: tuple) -> float:
         elif readers:
             graph.add_edge(source, ("term", n), capacity=nbytes)
             graph.add_edges_from((("term", n), c) for c in readers)
-    least = math.inf
-    for sink in [v for v in range(count) if v not in {p for _, p in order}]:  # a proper downset leaves out a last node
+    least, fed = math.inf, {p for _, p in order}
+    for sink in [v for v in range(count) if v not in fed]:  # a proper downset leaves out a last node
         graph.add_edge(sink, "out")
         least = min(least, nx.maximum_flow_value(graph, "s", "t"))
         graph.remove_edge(sink, "out")
@@ -605,22 +611,17 @@ class _Messages:
     def __call__(self, r: int, before: tuple[bool, ...], after: tuple[bool, ...]) -> _Priced:
         key = (r, before, after)
         if key not in self._priced:
-            g, ok, cuts = self.g, self.ok, self.cuts
-            into = self._price(cuts.into, [(h, g) for h in range(len(ok)) if ok[g][h] and before[h]], r)
-            out = self._price(cuts.out, [(g, h) for h in range(len(ok)) if ok[g][h] and after[h]], r)
-            inside = self._price(cuts.first, [(h, g) for h in range(len(ok)) if ok[g][h] and before[h]], r)
-            inside += self._price(cuts.last, [(g, h) for h in range(len(ok)) if ok[g][h] and after[h]], r)
+            g, ok, cuts, groups = self.g, self.ok, self.cuts, range(len(self.ok))
+            link_in = self._link([(h, g) for h in groups if ok[g][h] and before[h]])
+            link_out = self._link([(g, h) for h in groups if ok[g][h] and after[h]])
+            into = _seconds(cuts.into, link_in, r)
             # min over i < first of into(i) - (work up to segment i's end) / r: a start in an earlier segment i does the work
             # from i's end to the walk's start too.
             early = np.minimum.accumulate(into - self.ends / r)
-            self._priced[key] = _Priced(into.tolist(), out.tolist(), inside.tolist(), [math.inf, *early.tolist()],
-                                        self._link([(h, g) for h in range(len(ok)) if ok[g][h] and before[h]]),
-                                        self._link([(g, h) for h in range(len(ok)) if ok[g][h] and after[h]]))
+            self._priced[key] = _Priced(into.tolist(), _seconds(cuts.out, link_out, r).tolist(),
+                                        (_seconds(cuts.first, link_in, r) + _seconds(cuts.last, link_out, r)).tolist(),
+                                        [math.inf, *early.tolist()], link_in, link_out)
         return self._priced[key]
-
-    def _price(self, rows: np.ndarray, links: list[tuple[int, int]], r: int) -> np.ndarray:
-        latency, bandwidth = self._link(links)
-        return message_seconds(rows[1] * latency, rows[0], r, bandwidth)  # count messages of these bytes in all
 
     def _link(self, links: list[tuple[int, int]]) -> tuple[float, float]:
         """The least latency and the most bandwidth of `links` (none: messages cost nothing)."""
@@ -645,7 +646,13 @@ class _Priced:
 
     def receiving(self, messages: tuple[float, int], r: int) -> float:
         """Seconds that (bytes, count) of messages in cost a stage of r replicas."""
-        return message_seconds(messages[1] * self.link_in[0], messages[0], r, self.link_in[1])
+        return float(_seconds(messages, self.link_in, r))
 
     def sending(self, messages: tuple[float, int], r: int) -> float:
-        return message_seconds(messages[1] * self.link_out[0], messages[0], r, self.link_out[1])
+        return float(_seconds(messages, self.link_out, r))
+
+
+def _seconds(messages, link: tuple[float, float], r: int):  # type: ignore[no-untyped-def]
+    """What `count` messages of `bytes` in all ((bytes, count), rows of arrays or numbers) cost a stage of r replicas on a
+    link of (latency, bandwidth): the pricing rule's `message_seconds`."""
+    return message_seconds(messages[1] * link[0], messages[0], r, link[1])
