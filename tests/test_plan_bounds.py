@@ -18,6 +18,7 @@ from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.graph import load
 from onnxpipe.models import build
 from onnxpipe.plan import Assignment, build_problem, evaluate, lower_bound, plan
+from onnxpipe.plan.evaluate import fits
 from onnxpipe.plan.chainbound import chain_bound, segments
 from onnxpipe.plan.solve import solve
 from onnxpipe.target import Device, Link, Target, load_target
@@ -48,15 +49,17 @@ def test_clean_gaps_of_a_hand_made_graph() -> None:
     assert segments(problem).count == 5
 
 
-def mixed_costs(graph, flops: list[float], params: list[float] | None = None) -> Costs:  # type: ignore[no-untyped-def]
+def mixed_costs(graph, flops: list[float], params: list[float] | None = None,  # type: ignore[no-untyped-def]
+                activations: list[float] | None = None) -> Costs:
     """Matmuls where flops are large, cheap elementwise ops elsewhere."""
     params = params or [0.0] * len(flops)
+    activations = activations or [1e3] * len(flops)
     return Costs(
         nodes={
             n: NodeCost(op_type="MatMul" if f > 1e7 else "Relu", op_class="matmul" if f > 1e7 else "default", flops=f,
-                        bytes_read=0.0, bytes_written=0.0, param_bytes=p, activation_bytes=1e3, backward_flops=2 * f,
+                        bytes_read=0.0, bytes_written=0.0, param_bytes=p, activation_bytes=a, backward_flops=2 * f,
                         backward_bytes=0.0)
-            for n, f, p in zip(graph.compute_nodes, flops, params)
+            for n, f, p, a in zip(graph.compute_nodes, flops, params, activations)
         },
         unknown_ops=(),
         profiled=False,
@@ -68,10 +71,13 @@ FAST_SLOW = {"gpu": (1e13, 2e-4), "fpga": (1e12, 1e-6)}
 NEAR_TWINS = {"gpu": (1e12, 1e-6), "fpga": (7e11, 1e-6)}
 
 
-def mixed_target(count: int, latency: float = 1e-5, bandwidth: float = 1e9, spec: dict[str, tuple[float, float]] = FAST_SLOW) -> Target:
-    """Default: a fast device with a large per-op overhead ("gpu") and a slow one with a small one ("fpga")."""
+def mixed_target(count: int, latency: float = 1e-5, bandwidth: float = 1e9, spec: dict[str, tuple[float, float]] = FAST_SLOW,
+                 memory: dict[str, float] | None = None) -> Target:
+    """Default: a fast device with a large per-op overhead ("gpu") and a slow one with a small one ("fpga"), each
+    holding `memory[group]` bytes (default 1e12)."""
     devices = tuple(
-        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=1e12, memory_bandwidth=1e12,
+        Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=(memory or {}).get(g, 1e12),
+               memory_bandwidth=1e12,
                efficiency={"default": 1.0}, op_overhead=overhead)
         for g, (peak, overhead) in spec.items() for i in range(count)
     )
@@ -90,10 +96,11 @@ def one_group_target(count: int, latency: float, bandwidth: float) -> Target:
     return Target(name="one", description="", devices=devices, links=(link,), profile=False, source="<test>")
 
 
-def optimum(problem, stages: int, mixed: bool = False) -> float:  # type: ignore[no-untyped-def]
+def optimum(problem, stages: int, mixed: bool = False, fitting: bool = False) -> float:  # type: ignore[no-untyped-def]
     """Least bottleneck over every forward-flowing assignment and every device count per group and stage
     (one group per stage unless `mixed`): devices of one group are interchangeable, so taking each
-    group's first free ones loses nothing."""
+    group's first free ones loses nothing. `fitting`: over the plans that fit in memory, each stage with or
+    without recompute (inf when none does)."""
     n = problem.n
     edges = [(int(p), int(c)) for p, cs in zip(problem.tensor_producer, problem.tensor_consumers) if p >= 0 for c in cs]
     counts = [len(devs) for devs in problem.group_devices]
@@ -111,8 +118,11 @@ def optimum(problem, stages: int, mixed: bool = False) -> float:  # type: ignore
             for mix in picks:
                 devices.append(tuple(d for g, r in enumerate(mix) for d in problem.group_devices[g][taken[g]:taken[g] + r]))
                 taken = [t + r for t, r in zip(taken, mix)]
-            p = evaluate(problem, Assignment(nodes, tuple(devices), (False,) * stages))
-            best = min(best, p.bottleneck_seconds)
+            flags = itertools.product((False, True), repeat=stages) if fitting and problem.training else [(False,) * stages]
+            for recompute in flags:
+                p = evaluate(problem, Assignment(nodes, tuple(devices), recompute))
+                if fits(p) or not fitting:
+                    best = min(best, p.bottleneck_seconds)
     return best
 
 
@@ -155,6 +165,35 @@ def test_never_above_brute_force_with_replicated_stages(data: st.DataObject, lat
     best = optimum(problem, 2)
     assert chain_bound(problem, 2) <= best * (1 + 1e-9)
     assert chain_bound(problem, 2, replicas=False) <= optimum_unreplicated(problem) * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.integers(2, 3), st.sampled_from(["training", "inference"]), st.sampled_from([3e7, 6e7, 2e8]))
+def test_the_memory_it_charges_never_lifts_it_above_brute_force(data: st.DataObject, stages: int, mode: str, memory: float) -> None:
+    """The fast devices hold a node's parameter state or a few (training with Adam: 4 bytes per parameter byte) and
+    activations of up to 1e7 bytes; the plans that fit, with or without recompute, are never faster than the bound."""
+    n, skips, flops, params = random_dag(data)
+    activations = data.draw(st.lists(st.sampled_from([1e3, 1e7]), min_size=n, max_size=n))
+    graph = load(chain_model(n, skips))
+    target = mixed_target(1 if stages == 3 else 2, memory={"gpu": memory, "fpga": 1e12})
+    problem = build_problem(graph, mixed_costs(graph, flops, params, activations), target, batch=graph.batch * 2, microbatches=2, mode=mode)
+    best = optimum(problem, stages, fitting=True)
+    assert chain_bound(problem, stages) <= best * (1 + 1e-9)
+    assert lower_bound(problem, stages).seconds <= best * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_it_charges_what_a_stage_must_hold_where_the_fast_device_is_small(mode: str) -> None:
+    # Four equal layers on one fast GPU that holds two layers' parameter state and one slow FPGA that holds them all:
+    # without memory the GPU would take three; every plan that fits gives it at most two.
+    graph = load(chain_model(4, {}))
+    costs = mixed_costs(graph, [3e9] * 4, [1e7] * 4)
+    state = 4e7 if mode == "training" else 1e7  # Adam: the parameters, their gradients and two moments
+    problem = build_problem(graph, costs, mixed_target(1, memory={"gpu": 2.5 * state, "fpga": 1e12}), batch=graph.batch * 2,
+                            microbatches=2, mode=mode)
+    best = optimum(problem, 2, fitting=True)
+    assert best > optimum(problem, 2) * 1.2
+    assert chain_bound(problem, 2) == pytest.approx(best, rel=1e-6)
 
 
 def optimum_unreplicated(problem) -> float:  # type: ignore[no-untyped-def]

@@ -44,7 +44,7 @@ Why it is valid:
    farthest position in each group's work (merging walks, the most of each: still at least where each of their
    plans is): a farther start never costs more, so farther dominates. T is feasible iff some
    walk of exactly `stages` stages (empty ones allowed) within the device counts reaches the end; the
-   bound is the largest infeasible T found by bisection. Memory and recompute only add, so are ignored.
+   bound is the largest infeasible T found by bisection. Recompute only adds, so is ignored; memory: 6.
 5. A stage on one group also pays for the messages it must receive and send (`_Chain._reach_paying`), each tensor on the
    cheapest link from a group some earlier stage runs on (to one a later stage may run on: the DP's state holds the
    devices used), at those links' least latency and most bandwidth. Say the stage starts in segment i and ends in
@@ -63,6 +63,13 @@ Why it is valid:
    (`_Priced.skipped`; the tensors skipping segment i' are not counted then). Only where every node takes time on the
    group do positions tell which segments are done: elsewhere its stages pay latencies alone. The charge changes with
    the end's segment, so the farthest end is found segment by segment down from (3)'s reach, which it never exceeds.
+6. The bound holds for the plans that fit in memory. Each device of a stage holds every node of the segments the stage
+   covers whole: their parameter state and at least one micro-batch of their activations (every replica holds the
+   state, and a recomputing stage still holds one micro-batch's activations: `pricing.stage`), within its group's
+   memory (`_Chain._fitting`). The walk's start is at or past the plan's, so the plan's stage holds whole the segments
+   from the walk's start to its own end, where every node takes time on the group (as for the all-reduce, 3): they
+   fit, and the walk's stage may reach as far. Where memory keeps the fastest group from taking everything, the
+   bisection starts from a time some walk fits in (none: 0).
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ import numpy as np
 
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
-from onnxpipe.pricing.stage import message_seconds
+from onnxpipe.pricing.stage import message_seconds, state_bytes
 
 __all__ = ["Segments", "segments", "chain_bound"]
 
@@ -153,7 +160,13 @@ def chain_bound(problem: Problem, stages: int, replicas: bool = True, deadline: 
     low = 0.0
     try:
         if not _feasible(chain, stages, high, deadline):
-            return 0.0
+            # No stage on the fastest group holds it all in memory: doubling finds a time some walk fits in, if any does.
+            if not _feasible(chain, stages, math.inf, deadline):
+                return 0.0
+            while True:
+                low, high = high, 2 * high
+                if _feasible(chain, stages, high, deadline):
+                    break
         precision = _PRECISION * high  # of the starting upper bound: a bound near 0 ends too (no float underflow loop)
         while high - low > precision:
             mid = (low + high) / 2
@@ -188,6 +201,12 @@ class _Chain:
         params = np.bincount(of, weights=problem.trained[kept], minlength=self.m)
         self.prefix = [[0.0, *np.cumsum(w).tolist()] for w in self.seg_work]
         self.params = [[0.0, *np.cumsum(params * t).tolist()] for t in timed]
+        # The least memory a device of a stage holds for each node: its parameter state and one micro-batch of its
+        # activations (`pricing.stage`: every replica holds the state; recompute still holds one micro-batch's).
+        least = state_bytes(problem.params, problem.trained, problem.optimizer_states, problem.training) + problem.activations
+        held = np.bincount(of, weights=least[kept], minlength=self.m)
+        self.memory = [[0.0, *np.cumsum(held * t).tolist()] for t in timed]
+        self.capacity = problem.capacity.tolist()
         self.seg = [w.tolist() for w in self.seg_work]
         #: Segments of one node: a stage holds all of it or none (its positions stay whole).
         self.atomic = (np.bincount(of, minlength=self.m) == 1).tolist()
@@ -240,7 +259,18 @@ class _Chain:
             y = min(float(m), max(a, early, self._solve(g, r, a, t - lat_in - lat_out, ring)))
         if ring and before is not None and after is not None and self.messages[g] is not None:
             y = self._reach_paying(g, r, a, t, before, after, y)  # both hold: the least of them
+        if ring:
+            y = min(y, self._fitting(g, a))
         return self._whole(a, y)
+
+    def _fitting(self, g: int, a: float) -> float:
+        """Farthest position a stage on g starting at a can reach with the segments it holds whole in memory (module
+        docstring, 6): into segment j only if those from ceil(a) to j - 1 fit, and never to its end unless it fits too."""
+        memory, first = self.memory[g], math.ceil(a)
+        if first >= self.m:
+            return float(self.m)
+        j = bisect.bisect_right(memory, memory[first] + self.capacity[g] * (1 + 1e-12)) - 1  # segments first..j-1 fit whole
+        return float(self.m) if j >= self.m else math.nextafter(j + 1.0, j)  # segment j never whole
 
     def _reach_paying(self, g: int, r: int, a: float, t: float, before: tuple[bool, ...], after: tuple[bool, ...],
                       farthest: float) -> float:
