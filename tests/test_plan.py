@@ -376,6 +376,23 @@ def test_infeasible_memory_names_need_capacity_and_fixes() -> None:
     )
 
 
+def test_memory_no_cut_fits_is_named_before_any_search() -> None:
+    # Three nodes of 2 GiB of parameter state each (0.5 GiB of parameters, Adam) on two 3 GiB devices: each node fits and
+    # so does an even spread, but either stage of two holds two nodes.
+    graph = load(chain_model(3, {}))
+    costs = hand_costs(graph, [1e9] * 3, params=[GIB / 2] * 3)
+    target = make_target([("g", 2, 1e12, 3 * GIB)])
+    problem = build_problem(graph, costs, target, batch=graph.batch * 4, microbatches=4)
+    assert lower_bound(problem, 2).memory_bytes <= 3 * GIB
+    with pytest.raises(OnnxpipeError) as info:
+        plan(graph, costs, target, stages=2, time_limit=5)
+    assert str(info.value) == (
+        "no plan with 2 stages fits in memory: however the model is cut, some stage's parameter state and one micro-batch of its "
+        "activations (held with recompute too) exceed its device's memory (largest device 3 GiB); try more stages, a smaller "
+        "micro-batch (--microbatches), or a target with more memory"
+    )
+
+
 def test_more_stages_than_devices_is_an_error() -> None:
     graph = load(chain_model(6, {}))
     costs = hand_costs(graph, [1e9] * 6)

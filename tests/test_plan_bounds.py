@@ -179,7 +179,9 @@ def test_the_memory_it_charges_never_lifts_it_above_brute_force(data: st.DataObj
     problem = build_problem(graph, mixed_costs(graph, flops, params, activations), target, batch=graph.batch * 2, microbatches=2, mode=mode)
     best = optimum(problem, stages, fitting=True)
     assert chain_bound(problem, stages) <= best * (1 + 1e-9)
-    assert lower_bound(problem, stages).seconds <= best * (1 + 1e-9)
+    bound = lower_bound(problem, stages)
+    assert bound.seconds <= best * (1 + 1e-9)
+    assert bound.fits or best == np.inf  # it says no plan fits only where none does
 
 
 @pytest.mark.parametrize("mode", ["training", "inference"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from onnxpipe.plan.chainbound import chain_bound
+from onnxpipe.plan.chainbound import chain_bound, fits_in_memory
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import state_bytes
@@ -38,6 +38,9 @@ class LowerBound:
     memory_bytes: float
     #: The largest device memory of the target.
     capacity_bytes: float
+    #: Some walk over the chain of clean gaps holds each stage's parameter state and one micro-batch of its activations
+    #: in its device's memory (`chainbound.fits_in_memory`); when none does, no plan fits.
+    chain_fits: bool = True
 
     @property
     def seconds(self) -> float:
@@ -45,7 +48,7 @@ class LowerBound:
 
     @property
     def fits(self) -> bool:
-        return self.memory_bytes <= self.capacity_bytes
+        return self.memory_bytes <= self.capacity_bytes and self.chain_fits
 
 
 class Bounds:
@@ -76,12 +79,14 @@ def lower_bound(problem: Problem, stages: int, replicas: bool = True, deadline: 
     state = state_bytes(problem.params, problem.trained, problem.optimizer_states, problem.training)
     spread = float(state.sum()) / usable
     per_node = float(np.max(state + problem.activations / np.max(most_replicas)))
+    chain = chain_bound(problem, stages, replicas, deadline)
     return LowerBound(
         work_seconds=_work_bound(work, counts, usable),
         node_seconds=node,
-        chain_seconds=chain_bound(problem, stages, replicas, deadline),
+        chain_seconds=chain,
         memory_bytes=max(per_node, spread),
         capacity_bytes=float(np.max(problem.capacity)),
+        chain_fits=chain > 0 or fits_in_memory(problem, stages, replicas),  # 0: no walk fits, or its deadline passed first
     )
 
 

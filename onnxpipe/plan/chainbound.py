@@ -87,7 +87,7 @@ from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import message_seconds, state_bytes
 
-__all__ = ["Segments", "segments", "chain_bound"]
+__all__ = ["Segments", "segments", "chain_bound", "fits_in_memory"]
 
 #: Bisection stops when the interval is this fraction of the starting upper bound.
 _PRECISION = 1e-6
@@ -177,6 +177,12 @@ def chain_bound(problem: Problem, stages: int, replicas: bool = True, deadline: 
     except _OutOfTime:
         pass
     return low
+
+
+def fits_in_memory(problem: Problem, stages: int, replicas: bool = True) -> bool:
+    """Whether some walk of `stages` stages holds the segments each stage covers whole in its device's memory (module
+    docstring, 6): where none does, no plan of that many stages fits, whatever its cuts and recompute."""
+    return _feasible(_Chain(problem, segments(problem), replicas), stages, math.inf)
 
 
 class _OutOfTime(Exception):

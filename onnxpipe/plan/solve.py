@@ -364,6 +364,10 @@ def infeasible_message(problem: Problem, bound: LowerBound, stages: int) -> str:
     fixes = "try --recompute always, more stages, a smaller micro-batch (--microbatches), or a target with more memory"
     if need > cap:
         return f"no plan fits: the smallest stage needs {format_bytes(need)} of memory but the largest device holds {format_bytes(cap)}; {fixes}"
+    if not bound.chain_fits:
+        return (f"no plan with {plural(stages, 'stage')} fits in memory: however the model is cut, some stage's parameter state and one "
+                f"micro-batch of its activations (held with recompute too) exceed its device's memory (largest device {format_bytes(cap)}); "
+                "try more stages, a smaller micro-batch (--microbatches), or a target with more memory")
     return (
         f"no plan with {plural(stages, 'stage')} fits in memory (largest device {format_bytes(cap)}; every plan needs at least "
         f"{format_bytes(need)} on some device, more once activations are stashed); {fixes}"
