@@ -37,7 +37,7 @@ from onnxpipe.models import build, names
 from onnxpipe.plan import compare, fits, plan
 from onnxpipe.plan.result import Plan
 from onnxpipe.target import load_target
-from benchdoc import merge_rows, write_section
+from benchdoc import cpu_model, merge_rows, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "bench_plan"
@@ -231,12 +231,13 @@ def report_exports(rows: list[dict], load_avg: tuple[float, float]) -> str:
     baseline_names = ("uniform-nodes", "uniform-layers", "parameters", "pipedream", "data-parallel")
     loads = [x for r in rows for x in r.get("load", load_avg)]
     load_avg = (min(loads, default=load_avg[0]), max(loads, default=load_avg[1]))
+    hosts = sorted({r.get("cpu", "an unrecorded processor") for r in rows})  # times compare only within one host
     lines = [
         "## Planner on real exports: wall time, memory, quality",
         "",
         "Regenerate: `python tools/export_real_models.py` (any Python with torch, torchvision, transformers,",
         "onnxscript; `.venv/bin/python tools/export_real_models.py --only gpt2-xl` for the zoo model alone), then",
-        f"`.venv/bin/python tools/bench_plan.py --exports` ({os.cpu_count()} cores, 1-minute load average {load_avg[0]:.1f} to {load_avg[1]:.1f}",
+        f"`.venv/bin/python tools/bench_plan.py --exports` ({os.cpu_count()} cores of {' / '.join(hosts)}, 1-minute load average {load_avg[0]:.1f} to {load_avg[1]:.1f}",
         "at the starts and ends of the runs, one run per `--only` chunk: wall and solve times are on shared cores, a quiet machine is faster).",
         "Exports by `torch.onnx.export` at its defaults (dynamo, optimised, weights as external data, symbolic batch/sequence bound",
         "with `--dim`: ResNet-50, MobileNetV2 batch 32, ViT-B/16 batch 64, BERT-base 16 x 256, GPT-2 8 x 512), GPT-2 once more with",
@@ -382,8 +383,9 @@ def main() -> None:
     if args.exports:
         chosen = [m for m in args.only.split(",") if m]
         rows = run_exports(chosen)
-        for r in rows:  # each chunk's load beside its rows: a rerun of some exports keeps the others' rows and loads
+        for r in rows:  # each chunk's load and host beside its rows: a rerun of some exports keeps the others' rows, loads and hosts
             r["load"] = (start, os.getloadavg()[0])
+            r["cpu"] = cpu_model()
         rows = merge_rows(EXPORTS_ROWS, rows, _model, _in_order(tuple(EXPORTS)))
         text = report_exports(rows, (start, os.getloadavg()[0]))
         print(text)

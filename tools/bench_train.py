@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -32,7 +31,7 @@ from onnxpipe.train.optimizer import OptimizerConfig
 from onnxpipe.train.pipeline import Pipeline
 from onnxpipe.train.prepare import TrainConfig, prepare_single
 from onnxpipe.units import format_bytes, plural
-from benchdoc import write_section
+from benchdoc import cpu_model, write_section
 
 NAME = Path(__file__).stem
 CASES = [("gpt2-tiny", "cpu2", 2, 4), ("gpt2-tiny", "cpu2", 2, 8), ("resnet-tiny", "cpu2", 2, 8), ("gpt2-tiny", "cpu4", 4, 8)]
@@ -249,15 +248,6 @@ SCHEDULE_NOTE = (
     "this host's other measured costs kept (per action, per message, shared cache): the machine the cpu4 goals presume. "
     "The measured ratios move by several percent from run to run."
 )
-
-
-def cpu_model() -> str:
-    """The processor's name as Linux gives it (the tables compare hosts), else the platform's."""
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or "unknown processor"
 
 
 def _ratio(value: float, base: float) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
@@ -34,3 +35,12 @@ def merge_rows(path: Path, rows: list[dict], case: Callable[[dict], Hashable], o
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in merged))
     return merged
+
+
+def cpu_model() -> str:
+    """The processor's name as Linux gives it (the tables compare hosts), else the platform's."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown processor"
