@@ -376,9 +376,10 @@ def test_infeasible_memory_names_need_capacity_and_fixes() -> None:
     )
 
 
-def test_memory_no_cut_fits_is_named_before_any_search() -> None:
+def test_memory_no_cut_fits_is_named_before_any_search(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three nodes of 2 GiB of parameter state each (0.5 GiB of parameters, Adam) on two 3 GiB devices: each node fits and
     # so does an even spread, but either stage of two holds two nodes.
+    monkeypatch.setattr("onnxpipe.plan.solve.solve_dp", lambda *args, **kwargs: pytest.fail("searched"))
     graph = load(chain_model(3, {}))
     costs = hand_costs(graph, [1e9] * 3, params=[GIB / 2] * 3)
     target = make_target([("g", 2, 1e12, 3 * GIB)])

@@ -17,8 +17,7 @@ from test_properties import RandomModel, random_models
 from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.graph import load
 from onnxpipe.models import build
-from onnxpipe.plan import Assignment, build_problem, evaluate, lower_bound, plan
-from onnxpipe.plan.evaluate import fits
+from onnxpipe.plan import Assignment, build_problem, evaluate, fits, lower_bound, plan
 from onnxpipe.plan.chainbound import chain_bound, segments
 from onnxpipe.plan.solve import solve
 from onnxpipe.target import Device, Link, Target, load_target
@@ -77,8 +76,7 @@ def mixed_target(count: int, latency: float = 1e-5, bandwidth: float = 1e9, spec
     holding `memory[group]` bytes (default 1e12)."""
     devices = tuple(
         Device(name=f"{g}{i}", group=g, kind="gpu", peak_flops={"float32": peak}, memory_bytes=(memory or {}).get(g, 1e12),
-               memory_bandwidth=1e12,
-               efficiency={"default": 1.0}, op_overhead=overhead)
+               memory_bandwidth=1e12, efficiency={"default": 1.0}, op_overhead=overhead)
         for g, (peak, overhead) in spec.items() for i in range(count)
     )
     links = tuple(Link(between=(a, b), bandwidth=bandwidth, latency=latency, topology="switch")

@@ -66,10 +66,10 @@ Why it is valid:
 6. The bound holds for the plans that fit in memory. Each device of a stage holds every node of the segments the stage
    covers whole: their parameter state and at least one micro-batch of their activations (every replica holds the
    state, and a recomputing stage still holds one micro-batch's activations: `pricing.stage`), within its group's
-   memory (`_Chain._fitting`). The walk's start is at or past the plan's, so the plan's stage holds whole the segments
-   from the walk's start to its own end, where every node takes time on the group (as for the all-reduce, 3): they
-   fit, and the walk's stage may reach as far. Where memory keeps the fastest group from taking everything, the
-   bisection starts from a time some walk fits in (none: 0).
+   memory (`_Chain._fitting`; a stage replicated over several groups is not held to it). The walk's start is at or
+   past the plan's, so the plan's stage holds whole the segments from the walk's start to its own end, where every
+   node takes time on the group (as for the all-reduce, 3): they fit, and the walk's stage may reach as far. Where
+   memory keeps the fastest group from taking everything, the bisection starts from a time some walk fits in (none: 0).
 """
 
 from __future__ import annotations
