@@ -113,13 +113,15 @@ def solve_cpsat(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, time_limit)
     solver.parameters.num_workers = workers or _default_workers()
-    if solver.parameters.num_workers == 1 and refute and len(problem.group_devices) == 1:
-        # A question below the best plan (`probe`) on one device type: CP-SAT's full linearization (every enforced linear
+    if solver.parameters.num_workers == 1 and refute and (len(problem.group_devices) == 1 or problem.stage_groups):
+        # A question below the best plan (`probe`) on one device type, or each stage's fixed (`plan.patterns`): CP-SAT's full
+        # linearization (every enforced linear
         # constraint in its LP) refutes it where the search alone stalls, as the LP adds up what no stage constraint
         # does: the work is fixed, so a bottleneck near its even share leaves room for few messages. Measured node by
         # node on BART-base's export training on gpu4 at 4 stages: "no plan within 46.114 ms" (best plan 46.46 ms, work
         # bound 45.60) in 0.1 s, none in 15 s without. On several device types each stage's choice of type enforces
-        # its own constraints and the LP is weak: the same questions on hetero took 2-4x longer with it.
+        # its own constraints and the LP is weak: the same questions on hetero took 2-4x longer with it (not so once a
+        # pattern fixes each stage's type).
         solver.parameters.linearization_level = 2
     elif solver.parameters.num_workers == 1:
         # Measured: the LP relaxation of this model is weak (stage times are max-of-sums over Booleans) and

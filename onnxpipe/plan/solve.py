@@ -35,6 +35,7 @@ from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, placed, within
 from onnxpipe.plan.layout import EXACT_REPLICAS, Layout, to_assignment
+from onnxpipe.plan.patterns import Patterns, patterns
 from onnxpipe.plan.probe import Probed, close, probe
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
@@ -49,7 +50,10 @@ _REFINE_CP_SHARE = 0.1
 _IMPROVES = 1e-6
 #: Coarsened graphs up to this many nodes are then searched node by node from the best plan, with questions below it
 #: beside (`_prove`), for up to this share of the time limit: CP-SAT proves the real exports' coarse plans optimal there
-#: in 0.3-2 s (8 heterogeneous stages included), which no first-principles bound can show.
+#: in 0.3-2 s (8 heterogeneous stages included), which no first-principles bound can show. Where the questions are asked
+#: one pattern of device types at a time (`plan.patterns`), for the rest of the time: the patterns share each question's
+#: time, and with 0.3 of 30 s BART-base's export at 4 heterogeneous stages ended 7.7% above its bound in 10 s, with the rest
+#: 0.48% in 5-6.5 s (T5-small's 0.47% in 13-15 s, 4.1% before).
 _PROVE_LEVEL = 1500
 _PROVE_SHARE = 0.3
 #: Once the questions have proven the best plan within `probe.CLOSE` of a bound, the goal, the search down ends, but not
@@ -150,8 +154,9 @@ def solve(
     nodes, proof = blocks, result
     if proving and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
+        until = deadline if patterns(problem, stages) is not None else deadline.within(_PROVE_SHARE)
         proof = _prove(problem, nodes, _layout_of(problem, least, nodes, replicas), least, stages, recompute, replicas, bound.seconds,
-                       deadline.within(_PROVE_SHARE), report)
+                       until, report)
         if proof.layout is not None:
             found.append(evaluate(problem, to_assignment(problem, nodes, proof.layout), replicas=replicas, bounds=bounds))
     best = _choose(problem, found, by_iteration)
@@ -204,9 +209,9 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until
     `until`: a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes).
     The search down ends the questions when it ends; the questions end it once they have proven its plan within
-    `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds; on
-    several, bisecting, which raised the bound on T5-small's export at 4 heterogeneous stages to 4.3% below the
-    plan, 11% when aiming), not before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the
+    `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds, and on
+    several where their patterns are few, each asked one pattern at a time, `plan.patterns`; otherwise bisecting), not
+    before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the
     questions, and on one device type ends the one being asked if it is at or below its ceiling (answered; on
     several, building the next question's larger model slowed the search down more than it saved: LLaMA's export at
     8 heterogeneous stages proven in 5.7-6.4 s instead of 3.9-4.7 s). Side by side because neither alone does both:
@@ -223,7 +228,11 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     # the caller's, when more waits for it).
     searching = searching or threading.Event()
 
-    aim = len(problem.group_devices) == 1
+    one_type = len(problem.group_devices) == 1
+    # On several device types, a question asked one pattern of types at a time where they are few (`patterns`): aimed.
+    few = patterns(problem, stages)
+    by_pattern = Patterns(problem, few, hint.groups if hint is not None else ()) if few is not None else None
+    aim = one_type or by_pattern is not None
     asked_below = [math.inf]  # the ceiling of the question being asked
     down = Stop()
     found_below = [best]  # the bottleneck of the last (best) plan the search down has found
@@ -233,12 +242,16 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     def ask(low: float, ceiling: float, seconds: float) -> CpResult:
         searching.wait()
         asked_below[0] = ceiling
-        return solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
-                           time_limit=seconds, workers=workers, stop=asking, refute=True)
+
+        def one(question: Problem, limit: float) -> CpResult:
+            return solve_cpsat(question, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
+                               time_limit=limit, workers=workers, stop=asking, refute=True)
+
+        return one(problem, seconds) if by_pattern is None else by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped)
 
     def found_down(value: float, bound: float) -> None:
         found_below[0] = value
-        if aim and value <= asked_below[0]:
+        if one_type and value <= asked_below[0]:
             asking.interrupt()  # the question is answered: ask again below this plan
         if progress is not None:
             progress(value, bound)

@@ -1,0 +1,132 @@
+"""Questions asked one pattern of device groups at a time (`plan.patterns`): the patterns are every sequence of groups
+within the device counts (none where there is nothing to choose, or too many); a pattern refuted at a ceiling is not
+asked again below it, a plan found answers at once, the time left is shared evenly; with CP-SAT's answers the bound
+never passes brute force's optimum, for the whole problem nor for any pattern, and closes on the plan found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_plan import brute_force, chain_model, hand_costs, make_target, slow_link_target
+
+from onnxpipe.graph import load
+from onnxpipe.plan import build_problem, evaluate, lower_bound
+from onnxpipe.plan.coarsen import coarsen
+from onnxpipe.plan.cpsat import CpResult, solve_cpsat
+from onnxpipe.plan.deadline import Deadline
+from onnxpipe.plan.dp import solve_dp
+from onnxpipe.plan.layout import Layout, to_assignment
+from onnxpipe.plan.patterns import MOST, Patterns, patterns
+from onnxpipe.plan.probe import CLOSE, probe
+from onnxpipe.pricing.problem import Problem
+
+FOUND = Layout(block_stage=np.zeros(1, dtype=np.int64), groups=(0,), replicas=(1,), recompute=(False,))
+
+
+def _problem(target, n: int = 4) -> Problem:  # type: ignore[no-untyped-def]
+    graph = load(chain_model(n, {}))
+    costs = hand_costs(graph, list(np.random.default_rng(2).uniform(1e7, 1e9, n)))
+    return build_problem(graph, costs, target, batch=graph.batch * 4, microbatches=4)
+
+
+def test_the_patterns_are_every_sequence_of_groups_within_the_device_counts() -> None:
+    problem = _problem(slow_link_target(4e12))  # group 0: two devices, group 1: one
+    assert patterns(problem, 3) == [(0, 0, 1), (0, 1, 0), (1, 0, 0)]
+    assert patterns(problem, 2) == [(0, 0), (0, 1), (1, 0)]
+    # Nothing to choose: one device type, or each stage's group already fixed; too many to ask one at a time.
+    assert patterns(_problem(make_target([("a", 4, 1e12, 1e9)])), 3) is None
+    assert patterns(dataclasses.replace(problem, stage_groups=(0, 1, 0)), 3) is None
+    three = _problem(make_target([("a", 3, 1e12, 1e9), ("b", 3, 2e12, 1e9), ("c", 3, 4e12, 1e9)]))
+    assert len(patterns(three, 2) or []) == 9 and 3**3 > MOST and patterns(three, 3) is None
+
+
+class Clock:
+    """Seconds that pass only as the scripted answers spend them."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Scripted:
+    """Per pattern: refutes every ceiling below `hard` at once, finds a plan of bottleneck `optimum` at once at or above
+    it, and in between runs out of its time having proven `proven`; records what it is asked."""
+
+    def __init__(self, answers: dict[tuple[int, ...], tuple[float, float, float]]) -> None:
+        self.answers = answers
+        self.asked: list[tuple[tuple[int, ...], float]] = []
+        self.clock = Clock()
+        self.ceiling = math.inf
+
+    def __call__(self, problem: Problem, seconds: float) -> CpResult:
+        self.asked.append((problem.stage_groups, seconds))
+        hard, proven, optimum = self.answers[problem.stage_groups]
+        if self.ceiling < hard:
+            return CpResult(None, "INFEASIBLE", math.inf, math.inf, 0.0)
+        if self.ceiling < optimum:
+            self.clock.now += seconds
+            return CpResult(None, "UNKNOWN", math.inf, proven, seconds)
+        return CpResult(FOUND, "OPTIMAL", optimum, proven, 0.0)  # optimal for its pattern
+
+    def question(self, by_pattern: Patterns, ceiling: float, seconds: float, stopped: bool = False) -> CpResult:
+        self.ceiling = ceiling
+        self.asked.clear()
+        return by_pattern.ask(self, ceiling, Deadline(seconds, self.clock), lambda: stopped)
+
+
+def test_a_refuted_pattern_is_not_asked_again_below_and_a_plan_found_answers_at_once() -> None:
+    problem = _problem(slow_link_target(4e12))
+    by_pattern = Patterns(problem, [(0, 0, 1), (0, 1, 0), (1, 0, 0)], preferred=(0, 0, 1))
+    one = Scripted({(0, 1, 0): (math.inf, 0.0, math.inf), (1, 0, 0): (7.0, 7.5, 11.0), (0, 0, 1): (8.0, 8.5, 9.0)})
+    answer = one.question(by_pattern, 8.8, 4.0)
+    # The best plan's pattern last; each an even share of the time left: the first refuted at once leaves its share.
+    assert one.asked == [((0, 1, 0), 4.0 / 3), ((1, 0, 0), 2.0), ((0, 0, 1), 2.0)]
+    assert answer.status == "UNKNOWN" and answer.layout is None and answer.bound_seconds == 7.5  # the least of the open ones
+    assert one.question(by_pattern, 6.0, 2.0).status == "INFEASIBLE"
+    assert [p for p, _ in one.asked] == [(1, 0, 0), (0, 0, 1)]  # (0, 1, 0) refuted above 6.0: not asked again
+    found = one.question(by_pattern, 9.5, 3.0)
+    assert found.layout is FOUND and found.objective_seconds == 9.0
+    # Optimal for its pattern alone: the bound is the least any pattern has ((1, 0, 0)'s 7.5, not the plan's pattern's 8.5).
+    assert found.status == "FEASIBLE" and found.bound_seconds == 7.5
+    assert [p for p, _ in one.asked] == [(0, 1, 0), (1, 0, 0), (0, 0, 1)]  # refuted below 9.5 only: asked again
+    # The others refuted within its ceiling, a plan optimal for its pattern is optimal.
+    alone = Scripted({(0, 1): (math.inf, 0.0, math.inf), (1, 0): (8.0, 9.0, 9.0)})
+    answer = alone.question(Patterns(problem, [(0, 1), (1, 0)]), 9.5, 3.0)
+    assert (answer.status, answer.objective_seconds, answer.bound_seconds) == ("OPTIMAL", 9.0, 9.0)
+    told = one.question(by_pattern, 9.5, 3.0, stopped=True)
+    assert told.status == "UNKNOWN" and told.bound_seconds == 7.5 and not one.asked  # told to stop: none asked
+
+
+@settings(max_examples=5, deadline=None)
+@given(n=st.integers(4, 5), data=st.data())
+def test_cp_sat_asked_by_pattern_never_claims_more_than_brute_force(n: int, data: st.DataObject) -> None:
+    skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
+    graph = load(chain_model(n, skips, width=data.draw(st.sampled_from([16, 65536]))))
+    costs = hand_costs(graph, data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n)))
+    problem = build_problem(graph, costs, slow_link_target(4e12), batch=graph.batch * 4, microbatches=4)
+    nodes = coarsen(problem, problem.n)
+    start = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3, "never", True))).bottleneck_seconds
+    floor = lower_bound(problem, 3).seconds
+    found = patterns(problem, 3)
+    assert found is not None
+    by_pattern = Patterns(problem, found)
+
+    def ask(low: float, ceiling: float, seconds: float) -> CpResult:
+        return by_pattern.ask(lambda q, limit: solve_cpsat(q, nodes, 3, recompute="never", floor_seconds=low, ceiling_seconds=ceiling,
+                                                             time_limit=limit, refute=True), ceiling, Deadline(seconds), lambda: False)
+
+    probed = probe(ask, floor, start, Deadline(60.0))
+    rounding = 1e-9 * (nodes.count + len(nodes.nbytes) + 4)  # CP-SAT's whole nanoseconds, each term rounded up
+    best = min([start, *(evaluate(problem, to_assignment(problem, nodes, r.layout)).bottleneck_seconds for r in probed.found)])
+    assert brute_force(problem, 3, "never") * (1 - 1e-9) <= best <= start
+    assert floor <= probed.bound_seconds <= brute_force(problem, 3, "never") + rounding
+    assert best - probed.bound_seconds <= CLOSE * best + rounding
+    for p, ceiling in by_pattern.refuted.items():  # no plan of the pattern within what it was refuted at
+        assert ceiling <= brute_force(by_pattern.problems[p], 3, "never") + rounding
