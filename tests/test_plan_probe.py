@@ -1,5 +1,6 @@
 """Questions below the best plan (`plan.probe`): the bound they prove is never above the optimum, rises to the
-hardest question answered, stops once close enough or at the deadline, and a plan found below the ceiling is kept.
+hardest question answered, stops once close enough or at the deadline, and a plan found below the ceiling is kept;
+the searches are ended from another thread when told (`Stop`) or once they find no better plan for a while (`Stall`).
 
 The bisection itself is checked against scripted answers on a clock that advances per reading (work done, never
 wall-clock time); CP-SAT's answers are checked against the optimum of a chain (the DP's, exact there) and brute force.
@@ -22,7 +23,7 @@ from onnxpipe.graph import load
 from onnxpipe.plan import baselines, build_problem, evaluate, lower_bound
 from onnxpipe.plan import solve as solve_module
 from onnxpipe.plan.coarsen import coarsen
-from onnxpipe.plan.cpsat import CpResult, Stop, solve_cpsat
+from onnxpipe.plan.cpsat import CpResult, Stall, Stop, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.layout import Layout, to_assignment
@@ -256,3 +257,24 @@ def test_stop_ends_the_searches_running_and_keeps_later_ones_from_starting() -> 
     stop.stop()
     assert (running.told, done.told) == (1, 0)
     assert not stop.enter(_Solver())
+
+
+def test_stall_ends_a_search_once_it_finds_no_better_plan() -> None:
+    stall, running = Stall(0.05), _Solver()
+    assert stall.stop.enter(running)
+    stall.found(2.0, 1.0)
+    stall.found(1.5, 1.0)  # a better plan: the wait starts again
+    give_up = time.monotonic() + 60.0
+    while not running.told and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert running.told == 1 and stall.stop.stopped
+
+
+def test_stall_never_ends_a_search_before_its_first_plan_nor_once_closed() -> None:
+    waiting, running = Stall(0.05), _Solver()
+    closed, done = Stall(1.0), _Solver()
+    assert waiting.stop.enter(running) and closed.stop.enter(done)
+    closed.found(2.0, 1.0)
+    closed.close()  # the search ended: its wait is called off
+    time.sleep(1.5)
+    assert (running.told, done.told) == (0, 0) and not waiting.stop.stopped and not closed.stop.stopped

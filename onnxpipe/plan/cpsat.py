@@ -33,7 +33,7 @@ from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, reco
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
 
-__all__ = ["CpResult", "Stop", "solve_cpsat", "half_the_cores"]
+__all__ = ["CpResult", "Stop", "Stall", "solve_cpsat", "half_the_cores"]
 
 _NS = 1e9
 _KIB = 1024.0
@@ -81,6 +81,30 @@ class Stop:
     def leave(self, solver) -> None:  # type: ignore[no-untyped-def]
         with self._lock:
             self._running.discard(solver)
+
+
+class Stall:
+    """Ends a search that has found no better plan for `seconds` since its last (`found`, its progress callback); one that
+    finds none runs to its time limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.stop = Stop()
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def found(self, value: float, bound: float) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.seconds, self.stop.stop)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
 
 
 def solve_cpsat(
