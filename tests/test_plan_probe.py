@@ -27,6 +27,7 @@ from onnxpipe.plan.cpsat import CpResult, Stall, Stop, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.layout import Layout, to_assignment
+from onnxpipe.plan.patterns import Patterns, patterns
 from onnxpipe.plan.probe import CLOSE, STEP, probe
 
 #: A stand-in for a plan found by a question (the bisection never looks inside it).
@@ -136,9 +137,12 @@ def test_cp_sat_questions_on_a_chain_prove_the_optimum_within_close_and_find_it(
     assert found - probed.bound_seconds <= CLOSE * found + _rounding(nodes)  # ... and closes on the plan found
 
 
+@pytest.mark.parametrize("by_pattern", [False, True])
 @settings(max_examples=5, deadline=None)
 @given(n=st.integers(4, 5), data=st.data())
-def test_cp_sat_questions_never_claim_more_than_brute_force_across_device_groups(n: int, data: st.DataObject) -> None:
+def test_cp_sat_questions_never_claim_more_than_brute_force_across_device_groups(by_pattern: bool, n: int, data: st.DataObject) -> None:
+    """Asked over every device group at once, or one pattern of groups at a time (`plan.patterns`, as `solve._prove` asks
+    where they are few): then no pattern is refuted where brute force finds one of its plans either."""
     skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
     graph = load(chain_model(n, skips, width=data.draw(st.sampled_from([16, 65536]))))
     costs = hand_costs(graph, data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n)))
@@ -147,11 +151,21 @@ def test_cp_sat_questions_never_claim_more_than_brute_force_across_device_groups
     nodes = coarsen(problem, problem.n)
     start = evaluate(problem, to_assignment(problem, nodes, solve_dp(problem, nodes, 3, "never", True))).bottleneck_seconds
     floor = lower_bound(problem, 3).seconds
-    probed = probe(_asking(problem, nodes, "never"), floor, start, Deadline(60.0))
+    one = _asking(problem, nodes, "never")
+    found = patterns(problem, 3)
+    assert found is not None
+    each = Patterns(problem, found)
+
+    def ask(low: float, ceiling: float, seconds: float) -> CpResult:
+        return each.ask(lambda q, limit: _asking(q, nodes, "never")(low, ceiling, limit), ceiling, Deadline(seconds), lambda: False)
+
+    probed = probe(ask if by_pattern else one, floor, start, Deadline(60.0))
     best = min([start, *(evaluate(problem, to_assignment(problem, nodes, r.layout)).bottleneck_seconds for r in probed.found)])
     assert expected * (1 - 1e-9) <= best <= start
     assert floor <= probed.bound_seconds <= expected + _rounding(nodes)
     assert best - probed.bound_seconds <= CLOSE * best + _rounding(nodes)
+    for p, ceiling in each.refuted.items():  # no plan of the pattern within the ceiling it was refuted at
+        assert ceiling <= brute_force(each.problems[p], 3, "never") + _rounding(nodes)
 
 
 def _prove_on_a_chain(monkeypatch, stall: bool):  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from onnxpipe.plan.cpsat import CpResult
 from onnxpipe.plan.deadline import Deadline
@@ -34,9 +34,22 @@ def patterns(problem: Problem, stages: int) -> list[tuple[int, ...]] | None:
     counts = [len(d) for d in problem.group_devices]
     if len(counts) == 1 or problem.stage_groups:
         return None
-    every = (p for p in itertools.product(range(len(counts)), repeat=stages) if all(p.count(g) <= c for g, c in enumerate(counts)))
-    found = list(itertools.islice(every, MOST + 1))  # no further than one too many
-    return found if len(found) <= MOST else None
+    found = list(itertools.islice(_within(tuple(counts), stages), MOST + 1))  # no further than one too many
+    return found if 0 < len(found) <= MOST else None
+
+
+def _within(left: tuple[int, ...], stages: int) -> Iterator[tuple[int, ...]]:
+    """The sequences of `stages` groups taking at most `left[g]` stages of group g, in order (each step yields or leads to
+    one: the first few come at once however many groups there are)."""
+    if stages == 0:
+        yield ()
+        return
+    if sum(left) < stages:
+        return
+    for g, c in enumerate(left):
+        if c:
+            for rest in _within(left[:g] + (c - 1,) + left[g + 1:], stages - 1):
+                yield (g, *rest)
 
 
 class Patterns:
