@@ -22,7 +22,7 @@ from onnxpipe.plan.cpsat import CpResult
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
 
-__all__ = ["Patterns", "patterns", "MOST"]
+__all__ = ["Patterns", "patterns", "sequences", "MOST"]
 
 #: The most patterns asked one at a time; more, and each question is asked over every type at once.
 MOST = 20
@@ -32,24 +32,32 @@ def patterns(problem: Problem, stages: int) -> list[tuple[int, ...]] | None:
     """Every pattern of `stages` stages within the device counts, where several device types leave each stage's group open
     and they are at most `MOST`; else None."""
     counts = [len(d) for d in problem.group_devices]
-    if len(counts) == 1 or problem.stage_groups:
+    if len(counts) == 1 or problem.stage_groups or sum(counts) < stages:
         return None
-    found = list(itertools.islice(_within(tuple(counts), stages), MOST + 1))  # no further than one too many
-    return found if 0 < len(found) <= MOST else None
+    found = list(itertools.islice(sequences(tuple(counts), stages), MOST + 1))  # no further than one too many
+    return found if len(found) <= MOST else None
 
 
-def _within(left: tuple[int, ...], stages: int) -> Iterator[tuple[int, ...]]:
-    """The sequences of `stages` groups taking at most `left[g]` stages of group g, in order (each step yields or leads to
-    one: the first few come at once however many groups there are)."""
-    if stages == 0:
-        yield ()
-        return
-    if sum(left) < stages:
-        return
-    for g, c in enumerate(left):
-        if c:
-            for rest in _within(left[:g] + (c - 1,) + left[g + 1:], stages - 1):
-                yield (g, *rest)
+def sequences(counts: tuple[int, ...], used: int) -> Iterator[tuple[int, ...]]:
+    """Every sequence of `used` groups with at most counts[g] of group g (sum(counts) >= used), in lexicographic order,
+    lazily: there can be very many, and a target thousands of devices long (so a loop, not recursion). Every prefix
+    completes, as the groups' devices left always cover the indices left."""
+    left, sequence, start = list(counts), [], 0
+    while True:
+        if len(sequence) == used:
+            yield tuple(sequence)
+            start = len(counts)  # nothing more at this length: back up
+        g = next((h for h in range(start, len(counts)) if left[h]), None) if len(sequence) < used else None
+        if g is not None:
+            sequence.append(g)
+            left[g] -= 1
+            start = 0
+            continue
+        if not sequence:
+            return
+        last = sequence.pop()
+        left[last] += 1
+        start = last + 1
 
 
 class Patterns:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from onnxpipe import schedule as sched
 from onnxpipe.cost import Costs
@@ -23,6 +23,7 @@ from onnxpipe.graph import Graph
 from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.evaluate import evaluate, fits
+from onnxpipe.plan.patterns import sequences
 from onnxpipe.plan.result import Plan, SolveInfo
 from onnxpipe.plan.solve import solve
 from onnxpipe.pricing.problem import Problem, build_problem
@@ -100,33 +101,11 @@ def _patterns(counts: tuple[int, ...], used: int) -> tuple[list[tuple[int, ...]]
     """The device type (group) of each of `used` device indices, at most counts[g] of group g; and whether these are all
     of them (else: each group's devices side by side, in up to `_MOST_PATTERNS` orders of the groups, the first `used`
     of each order)."""
-    every = list(itertools.islice(_sequences(counts, used), _MOST_PATTERNS + 1))
+    every = list(itertools.islice(sequences(counts, used), _MOST_PATTERNS + 1))
     if len(every) <= _MOST_PATTERNS:
         return every, True
     orders = itertools.islice(itertools.permutations(range(len(counts))), _MOST_PATTERNS)
     return sorted({tuple(g for g in order for _ in range(counts[g]))[:used] for order in orders}), False
-
-
-def _sequences(counts: tuple[int, ...], used: int) -> Iterator[tuple[int, ...]]:
-    """Every sequence of `used` groups with at most counts[g] of group g (sum(counts) >= used), in lexicographic order,
-    lazily: there can be very many, and a target thousands of devices long (so a loop, not recursion). Every prefix
-    completes, as the groups' devices left always cover the indices left."""
-    left, sequence, start = list(counts), [], 0
-    while True:
-        if len(sequence) == used:
-            yield tuple(sequence)
-            start = len(counts)  # nothing more at this length: back up
-        g = next((h for h in range(start, len(counts)) if left[h]), None) if len(sequence) < used else None
-        if g is not None:
-            sequence.append(g)
-            left[g] -= 1
-            start = 0
-            continue
-        if not sequence:
-            return
-        last = sequence.pop()
-        left[last] += 1
-        start = last + 1
 
 
 def _devices(problem: Problem, pattern: tuple[int, ...]) -> list[str]:
