@@ -237,6 +237,26 @@ def test_cpsat_over_nodes_matches_brute_force_across_device_groups(n: int, data:
         assert result.objective_seconds == pytest.approx(expected, abs=1e-8)  # each term rounded up to whole nanoseconds
 
 
+def test_cpsat_windows_count_each_device_at_its_own_speed_where_each_stage_group_is_fixed() -> None:
+    """Under a ceiling of 1.5 nodes' time on the slow device, a slow first stage holds one node of a 4-node chain (so the
+    others cannot be in it) and a slow last stage one; with each stage's group open, the fast device could be either."""
+    from onnxpipe.plan.coarsen import coarsen
+    from onnxpipe.plan.cpsat import _windows
+
+    graph = load(chain_model(4, {}))
+    target = make_target([("slow", 1, 1e12, 1e9), ("fast", 1, 4e12, 1e9)])
+    problem = build_problem(graph, hand_costs(graph, [1e9] * 4), target, batch=graph.batch * 2, microbatches=2)
+    slow, fast = problem.group_of("slow0"), problem.group_of("fast0")
+    node = problem.forward[slow] + problem.backward[slow]
+    assert np.allclose(node, node[0]) and np.allclose(problem.forward[fast] + problem.backward[fast], node[0] / 4)
+    blocks, ceiling = coarsen(problem, problem.n), 1.5 * node[0]
+    windows = {pattern: _windows(dataclasses.replace(problem, stage_groups=pattern), blocks, 2, True, ceiling)
+               for pattern in ((), (slow, fast), (fast, slow))}
+    assert [w.tolist() for w in windows[()]] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert [w.tolist() for w in windows[(slow, fast)]] == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    assert [w.tolist() for w in windows[(fast, slow)]] == [[0, 0, 0, 0], [0, 0, 0, 1]]
+
+
 @settings(max_examples=12, deadline=None)
 @given(flops=st.lists(st.sampled_from([1e8, 1e9, 4e9]), min_size=8, max_size=8), mode=st.sampled_from(["training", "inference"]))
 def test_the_dp_prices_messages_on_the_link_to_the_next_stage_and_is_exact_on_a_chain(flops: list[float], mode: str) -> None:

@@ -273,6 +273,31 @@ def test_stop_ends_the_searches_running_and_keeps_later_ones_from_starting() -> 
     assert not stop.enter(_Solver())
 
 
+def test_a_moot_search_does_not_start_and_starts_again_once_it_is_not() -> None:
+    answered = [True]
+    stop = Stop(moot=lambda: answered[0])
+    assert not stop.enter(_Solver())
+    answered[0] = False
+    running = _Solver()
+    assert stop.enter(running) and not stop.stopped
+    stop.interrupt()
+    assert running.told == 1
+
+
+def test_a_cp_sat_question_ends_at_the_first_plan_within_its_ceiling() -> None:
+    """`refute`: any plan within the ceiling answers the question (no search on for better ones): the first plan found
+    is the answer, where minimising from it finds the optimum."""
+    graph = load(chain_model(12, {3: 1, 7: 5}))
+    problem = build_problem(graph, hand_costs(graph, [float(f) for f in range(1, 13)]), make_target([("a", 4, 1e12, 1e9)]),
+                            batch=graph.batch * 4, microbatches=4)
+    nodes = coarsen(problem, problem.n)
+    optimum = solve_cpsat(problem, nodes, 4, recompute="never", time_limit=20)
+    assert optimum.status == "OPTIMAL"
+    # Every plan's bottleneck is within a ceiling this high: the first one found answers, far above the optimum.
+    answer = solve_cpsat(problem, nodes, 4, recompute="never", ceiling_seconds=1e3, time_limit=20, workers=1, refute=True)
+    assert answer.status == "FEASIBLE" and answer.layout is not None and answer.objective_seconds > optimum.objective_seconds
+
+
 def test_stall_ends_a_search_once_it_finds_no_better_plan() -> None:
     stall, running = Stall(0.05), _Solver()
     assert stall.stop.enter(running)

@@ -218,16 +218,17 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds, and on
     several where their patterns are few, each asked one pattern at a time, `plan.patterns`; otherwise bisecting), not
     before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the
-    questions, and on one device type ends the one being asked if it is at or below its ceiling (answered; on
-    several, building the next question's larger model slowed the search down more than it saved: LLaMA's export at
-    8 heterogeneous stages proven in 5.7-6.4 s instead of 3.9-4.7 s). Side by side because neither alone does both:
+    questions, and where they aim ends the one being asked if it is at or below its ceiling (answered: moot, also one
+    whose model is still being built; asked by pattern, the patterns left go to the next question, below that plan:
+    T5-small's export at 4 heterogeneous stages ran its first question on for 8.7 s after the search down had answered it.
+    Where they bisect over every type, the next question's larger model slowed the search down more than it saved:
+    LLaMA's export at 8 heterogeneous stages proven in 5.7-6.4 s instead of 3.9-4.7 s). Side by side because neither alone does both:
     the search down proves the zoo's and most exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders
     with its bound on the floor, where the questions raise it (measured on one core each; CP-SAT leaves the
     interpreter lock while it searches)."""
     best = least.bottleneck_seconds
     report(f"{plural(stages, 'stage')}: CP-SAT node by node from the best plan and below it, up to {until.remaining():.0f} s"
            f"{_best_so_far(problem, [least])}")
-    asking = Stop()
     workers = half_the_cores()
     # Building a model is Python, which holds the interpreter lock: the questions build theirs once the search down is
     # searching (CP-SAT leaves the lock), not against its build, which would start the search down later (`searching`:
@@ -240,8 +241,11 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     by_pattern = Patterns(problem, few, hint.groups if hint is not None else ()) if few is not None else None
     aim = one_type or by_pattern is not None
     asked_below = [math.inf]  # the ceiling of the question being asked
-    down = Stop()
     found_below = [best]  # the bottleneck of the last (best) plan the search down has found
+    # Where questions aim (below), one the search down has answered (a plan within its ceiling) is moot: it ends, and the next
+    # asks below that plan.
+    asking = Stop(moot=lambda: aim and found_below[0] <= asked_below[0])
+    down = Stop()
     ended = threading.Event()  # the search down has ended
     started, least_seconds = time.perf_counter(), _LEAST_SHARE * until.remaining()
 
@@ -253,11 +257,15 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
             return solve_cpsat(question, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
                                time_limit=limit, workers=workers, stop=asking, refute=True)
 
-        return one(problem, seconds) if by_pattern is None else by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped)
+        if by_pattern is None:
+            return one(problem, seconds)
+        # Answered once the search down has found a plan within the ceiling: the patterns not yet asked are left to the next
+        # question, below that plan.
+        return by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped or found_below[0] <= ceiling)
 
     def found_down(value: float, bound: float) -> None:
         found_below[0] = value
-        if one_type and value <= asked_below[0]:
+        if aim and value <= asked_below[0]:
             asking.interrupt()  # the question is answered: ask again below this plan
         if progress is not None:
             progress(value, bound)
