@@ -547,6 +547,9 @@ def _held(sets: np.ndarray, fast: np.ndarray, time: np.ndarray, devices: int, ce
     rows, last = np.arange(len(sets)), len(order) - 1
     held = np.zeros((len(sets), devices + 1))
     for n in range(1, devices + 1):
+        if budgets[n - 1] >= spent[:, -1].max():  # every set already held whole: the devices left add nothing
+            held[:, n:] = done[:, -1:]
+            break
         whole = (spent <= budgets[n]).sum(axis=1)  # the blocks wholly held; the next one in part
         before = np.maximum(whole - 1, 0)
         spent_before = np.where(whole > 0, spent[rows, before], 0.0)
