@@ -542,8 +542,9 @@ def _held(sets: np.ndarray, fast: np.ndarray, time: np.ndarray, devices: int, ce
         return np.diff(np.minimum(budgets[None, :], (sets @ fast)[:, None]), axis=1)
     rate = np.divide(fast, time, out=np.ones_like(fast), where=time > 0)
     order = np.argsort(-rate, kind="stable")
-    spent = np.cumsum(sets[:, order] * time[order], axis=1)
-    done = np.cumsum(sets[:, order] * fast[order], axis=1)
+    members = sets[:, order]
+    spent = np.cumsum(np.where(members, time[order], 0.0), axis=1)
+    done = np.cumsum(np.where(members, fast[order], 0.0), axis=1)
     rows, last = np.arange(len(sets)), len(order) - 1
     held = np.zeros((len(sets), devices + 1))
     for n in range(1, devices + 1):
