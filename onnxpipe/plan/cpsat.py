@@ -11,7 +11,7 @@ rules out stages a block cannot take in any better plan: the model has variables
 and the tensors it sends or receives, can take (half of them or fewer at 8 stages; CP-SAT's time grows with
 the crossing variables it propagates). The first-principles bound is the objective's floor.
 
-Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `hint` -> `_windows`.
+Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `hint` -> `_windows` (`_devices`, `_holds`, `_held`).
 """
 
 from __future__ import annotations
