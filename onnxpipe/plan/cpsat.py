@@ -542,7 +542,7 @@ def _held(sets: np.ndarray, fast: np.ndarray, time: np.ndarray, devices: int, ce
         return np.diff(np.minimum(budgets[None, :], (sets @ fast)[:, None]), axis=1)
     rate = np.divide(fast, time, out=np.ones_like(fast), where=time > 0)
     order = np.argsort(-rate, kind="stable")
-    members = sets[:, order]
+    rate, members = rate[order], sets[:, order]
     spent = np.cumsum(np.where(members, time[order], 0.0), axis=1)
     done = np.cumsum(np.where(members, fast[order], 0.0), axis=1)
     rows, last = np.arange(len(sets)), len(order) - 1
@@ -555,7 +555,7 @@ def _held(sets: np.ndarray, fast: np.ndarray, time: np.ndarray, devices: int, ce
         before = np.maximum(whole - 1, 0)
         spent_before = np.where(whole > 0, spent[rows, before], 0.0)
         done_before = np.where(whole > 0, done[rows, before], 0.0)
-        part = (budgets[n] - spent_before) * rate[order][np.minimum(whole, last)]
+        part = (budgets[n] - spent_before) * rate[np.minimum(whole, last)]
         held[:, n] = np.where(whole > last, done[:, -1], done_before + part)
     return np.diff(held, axis=1)
 

@@ -242,9 +242,13 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     aim = one_type or by_pattern is not None
     asked_below = [math.inf]  # the ceiling of the question being asked
     found_below = [best]  # the bottleneck of the last (best) plan the search down has found
-    # Where questions aim (below), one the search down has answered (a plan within its ceiling) is moot: it ends, and the next
-    # asks below that plan.
-    asking = Stop(moot=lambda: aim and found_below[0] <= asked_below[0])
+
+    def answered() -> bool:
+        """Where questions aim (below), the search down has found a plan within the ceiling of the one being asked: it is
+        moot (it ends, and the next asks below that plan)."""
+        return aim and found_below[0] <= asked_below[0]
+
+    asking = Stop(moot=answered)
     down = Stop()
     ended = threading.Event()  # the search down has ended
     started, least_seconds = time.perf_counter(), _LEAST_SHARE * until.remaining()
@@ -259,14 +263,13 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
 
         if by_pattern is None:
             return one(problem, seconds)
-        # Answered once the search down has found a plan within the ceiling: the patterns not yet asked are left to the next
-        # question, below that plan.
-        return by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped or found_below[0] <= ceiling)
+        # Once answered, the patterns not yet asked are left to the next question, below that plan (none of their models built).
+        return by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped or answered())
 
     def found_down(value: float, bound: float) -> None:
         found_below[0] = value
-        if aim and value <= asked_below[0]:
-            asking.interrupt()  # the question is answered: ask again below this plan
+        if answered():
+            asking.interrupt()  # ask again below this plan
         if progress is not None:
             progress(value, bound)
 
