@@ -256,6 +256,34 @@ def test_prove_ends_the_search_down_once_the_questions_have_proven_its_plan_clos
     assert result.layout is not None and optimum * (1 - CLOSE) <= result.bound_seconds <= optimum + _rounding(nodes)
 
 
+def test_prove_asks_no_question_with_less_time_than_a_question_took_to_build(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Near the end of the time a question whose share is shorter than building a question's model took could not search:
+    it is not asked (each such model once took 0.1-0.3 s past the limit). Each question here takes 0.2 s to build and
+    finds nothing; the search down finds nothing either, to the end of its time."""
+    problem = _chain_problem(60)
+    nodes = coarsen(problem, problem.n)
+    least = baselines(problem, 3)["uniform-nodes"]
+    hint = solve_module._layout_of(problem, least, nodes, True)
+    asked: list[tuple[float, float]] = []  # each question's time limit, and how long it took
+
+    def solve_cpsat_fake(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not kwargs.get("refute"):  # the search down: runs out its time
+            kwargs["searching"].set()
+            time.sleep(kwargs["time_limit"])
+            return CpResult(None, "UNKNOWN", math.inf, kwargs["floor_seconds"], 0.0)
+        begun = time.perf_counter()
+        time.sleep(0.2)  # building its model
+        asked.append((kwargs["time_limit"], time.perf_counter() - begun))
+        return CpResult(None, "UNKNOWN", math.inf, kwargs["floor_seconds"], 0.0)
+
+    monkeypatch.setattr(solve_module, "solve_cpsat", solve_cpsat_fake)
+    floor = least.bottleneck_seconds / 2  # far below: the bisection alone would go on for several questions
+    solve_module._prove(problem, nodes, hint, least, 3, "auto", True, floor, Deadline(1.0), lambda _: None)
+    assert len(asked) >= 2
+    took = [t for _, t in asked]
+    assert all(limit >= max(took[:i]) for i, (limit, _) in enumerate(asked) if i)
+
+
 def test_interrupt_ends_the_searches_running_only() -> None:
     stop, running = Stop(), _Solver()
     assert stop.enter(running)
@@ -317,3 +345,14 @@ def test_stall_never_ends_a_search_before_its_first_plan_nor_once_closed() -> No
     closed.close()  # the search ended: its wait is called off
     time.sleep(1.5)
     assert (running.told, done.told) == (0, 0) and not waiting.stop.stopped and not closed.stop.stopped
+
+
+def test_a_cp_sat_search_whose_time_went_on_building_its_model_does_not_start() -> None:
+    """The time limit covers building the model: with none left, no search (which once ran 0.05 s more, past the limit)."""
+    graph = load(chain_model(12, {}))
+    problem = build_problem(graph, hand_costs(graph, [float(f) for f in range(1, 13)]), make_target([("a", 4, 1e12, 1e9)]),
+                            batch=graph.batch * 4, microbatches=4)
+    nodes = coarsen(problem, problem.n)
+    assert solve_cpsat(problem, nodes, 4, recompute="never", time_limit=20).status == "OPTIMAL"
+    out_of_time = solve_cpsat(problem, nodes, 4, recompute="never", floor_seconds=1.0, time_limit=0.0)
+    assert (out_of_time.status, out_of_time.layout, out_of_time.bound_seconds) == ("UNKNOWN", None, 1.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -134,14 +135,19 @@ def solve_cpsat(
     model is built and CP-SAT is about to search (it then leaves the interpreter lock to other threads). `refute`: the
     question is whether any plan is within the ceiling (`probe`), not the least bottleneck: the first plan found answers it
     (and the next question asks below it; going on to the time limit instead, BART-base's export on gpu4 at 4 stages spent 3.2 s
-    bettering a plan the question had found by 0.01%)."""
+    bettering a plan the question had found by 0.01%). `time_limit` covers building the model too (0.1-0.4 s node by node on
+    the exports): none left for the search, it does not start (UNKNOWN)."""
     from ortools.sat.python import cp_model  # here, not at import: it loads pandas (~0.5 s) that split, simulate and train never need
 
+    started = time.perf_counter()
     model = _Model(problem, blocks, stages, recompute, replicas, floor_seconds, ceiling_seconds)
     if hint is not None:
         model.hint(hint)
+    left = time_limit - (time.perf_counter() - started)
+    if left <= 0:
+        return CpResult(None, "UNKNOWN", math.inf, floor_seconds, 0.0)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = workers or _default_workers()
     solver.parameters.stop_after_first_solution = refute
     if solver.parameters.num_workers == 1 and refute and (len(problem.group_devices) == 1 or problem.stage_groups):
