@@ -54,17 +54,18 @@ _STALL = 0.5
 #: Relative improvement a refinement level must bring for the next one to run.
 _IMPROVES = 1e-6
 #: Coarsened graphs up to this many nodes are then searched node by node from the best plan, with questions below it
-#: beside (`_prove`), for up to this share of the time limit: CP-SAT proves the real exports' coarse plans optimal there
-#: in 0.3-2 s (8 heterogeneous stages included), which no first-principles bound can show. Where the questions are asked
-#: one pattern of device types at a time (`plan.patterns`), for the rest of the time: the patterns share each question's
-#: time, and with 0.3 of 30 s BART-base's export at 4 heterogeneous stages ended 7.7% above its bound in 10 s, with the rest
-#: 0.48% in 5-6.5 s (T5-small's 0.47% in 13-15 s, 4.1% before).
+#: beside (`_prove`), for the rest of the time (as an uncoarsened graph's first search is; the questions end it once its
+#: plan is proven within `probe.CLOSE`): CP-SAT proves the real exports' coarse plans optimal there in 0.3-2 s (8
+#: heterogeneous stages included), which no first-principles bound can show. Given 0.3 of the time limit, the encoder-decoders'
+#: at 8 stages ended early with their gap open: of 30 s, T5-small's export on gpu4 ended 2.3-3.2% above its bound in 10 s, and
+#: is proven optimal in 27 s with the rest; BART-base's 3.3-4.5% in 10 s, 1.6% in 30 s; on hetero 10.4% in 13 s, 7.8% in 30 s.
 _PROVE_LEVEL = 1500
-_PROVE_SHARE = 0.3
 #: Once the questions have proven the best plan within `probe.CLOSE` of a bound, the goal, the search down ends, but not
-#: before this share of its time: it proves most plans optimal in well under a second (BERT-base's export on gpu4 and
-#: fpga4 at 2 stages in 0.2-0.5 s, where the questions had closed the gap a little before; small graphs at once).
-_LEAST_SHARE = 0.1
+#: before this share of the time limit: it proves most plans optimal in well under a second (BERT-base's export on gpu4 and
+#: fpga4 at 2 stages in 0.2-0.5 s, where the questions had closed the gap a little before; small graphs at once). A share of
+#: the time left instead (0.1 of it) held BART-base's and T5-small's exports at 2 stages on gpu4 and fpga4 2 s longer (1.3-1.4 s
+#: -> 3.4-3.6 s of solving) once the search node by node had the rest of the time, for no better plan or bound.
+_LEAST_SHARE = 0.03
 
 
 #: Graphs up to this many compute nodes are solved node by node, so OPTIMAL is optimal for the graph
@@ -160,9 +161,8 @@ def solve(
     nodes, proof = blocks, result
     if proving and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
-        until = deadline if patterns(problem, stages) is not None else deadline.within(_PROVE_SHARE)
         proof = _prove(problem, nodes, _layout_of(problem, least, nodes, replicas), least, stages, recompute, replicas, bound.seconds,
-                       until, report)
+                       deadline, report)
         if proof.layout is not None:
             found.append(evaluate(problem, to_assignment(problem, nodes, proof.layout), replicas=replicas, bounds=bounds))
     best = _choose(problem, found, by_iteration)
@@ -217,7 +217,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     The search down ends the questions when it ends; the questions end it once they have proven its plan within
     `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds, and on
     several where their patterns are few, each asked one pattern at a time, `plan.patterns`; otherwise bisecting), not
-    before `_LEAST_SHARE` of the time. Each plan the search down finds is handed to the
+    before `_LEAST_SHARE` of the time limit. Each plan the search down finds is handed to the
     questions, and where they aim ends the one being asked if it is at or below its ceiling (answered: moot, also one
     whose model is still being built; asked by pattern, the patterns left go to the next question, below that plan:
     T5-small's export at 4 heterogeneous stages ran its first question on for 8.7 s after the search down had answered it.
@@ -251,7 +251,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     asking = Stop(moot=answered)
     down = Stop()
     ended = threading.Event()  # the search down has ended
-    started, least_seconds = time.perf_counter(), _LEAST_SHARE * until.remaining()
+    started, least_seconds = time.perf_counter(), _LEAST_SHARE * until.seconds
 
     # The longest a question's model took to build: a question given less time could not search, so it is not asked (near the
     # end of the time, BART-base's export at 4 heterogeneous stages built eight such models, 0.13-0.26 s each, past its limit).
@@ -288,7 +288,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
                        known=lambda: found_below[0], aim=aim)
         if close(min([found_below[0], *(r.objective_seconds for r in probed.found)]), probed.bound_seconds):
             # The best plan is within CLOSE of a bound for every plan, the goal: the search down, which may still prove it
-            # optimal, ends once it has had `_LEAST_SHARE` of the time.
+            # optimal, ends once it has had `_LEAST_SHARE` of the time limit.
             ended.wait(max(0.0, started + least_seconds - time.perf_counter()))
             down.stop()
         return probed
