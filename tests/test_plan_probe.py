@@ -199,7 +199,7 @@ def _prove_on_a_chain(monkeypatch, stall: bool):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(solve_module, "solve_cpsat", solve_cpsat_spy)
     monkeypatch.setattr(solve_module, "probe", probe_spy)
     hint = solve_module._layout_of(problem, worse, nodes, True)
-    result = solve_module._prove(problem, nodes, hint, worse, 3, "auto", True, floor, Deadline(60.0), lambda _: None)
+    result = solve_module._prove(problem, nodes, hint, worse, 3, "auto", True, floor, Deadline(60.0), lambda _: None, hold=6.0)
     assert len(searches_down) == 1 and searches_down[0]["hint"] is hint
     assert all(questions_began)
     return problem, nodes, result, optimum, floor
@@ -251,7 +251,7 @@ def test_prove_ends_the_search_down_once_the_questions_have_proven_its_plan_clos
 
     monkeypatch.setattr(solve_module, "solve_cpsat", search_down_that_never_ends)
     give_up = time.monotonic() + 60.0
-    result = solve_module._prove(problem, nodes, hint, least, 3, "auto", True, floor, Deadline(20.0), lambda _: None)
+    result = solve_module._prove(problem, nodes, hint, least, 3, "auto", True, floor, Deadline(20.0), lambda _: None, hold=2.0)
     assert running.told  # told to stop by the questions, not left to run out its time
     assert result.layout is not None and optimum * (1 - CLOSE) <= result.bound_seconds <= optimum + _rounding(nodes)
 
@@ -278,7 +278,7 @@ def test_prove_asks_no_question_with_less_time_than_a_question_took_to_build(mon
 
     monkeypatch.setattr(solve_module, "solve_cpsat", solve_cpsat_fake)
     floor = least.bottleneck_seconds / 2  # far below: the bisection alone would go on for several questions
-    solve_module._prove(problem, nodes, hint, least, 3, "auto", True, floor, Deadline(1.0), lambda _: None)
+    solve_module._prove(problem, nodes, hint, least, 3, "auto", True, floor, Deadline(1.0), lambda _: None, hold=0.1)
     assert len(asked) >= 2
     took = [t for _, t in asked]
     assert all(limit >= max(took[:i]) for i, (limit, _) in enumerate(asked) if i)
