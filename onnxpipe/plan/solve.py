@@ -64,12 +64,13 @@ _PROVE_LEVEL = 1500
 #: before this share of the time left: it proves most plans optimal in well under a second (BERT-base's export on gpu4 and
 #: fpga4 at 2 stages in 0.2-0.5 s, where the questions had closed the gap a little before; small graphs at once; at 2
 #: heterogeneous stages several exports' in 1-3 s: held 0.03 of the time limit instead, BERT-base's, LLaMA's, BART-base's
-#: and T5-small's ended 0.47-0.48% above their bounds instead of proven optimal, and a 6-node zoo model's under load too).
+#: and T5-small's ended 0.47-0.48% above their bounds instead of proven optimal, and the zoo's gpt2-tiny under load at 2
+#: stages with a 10-s limit).
 _LEAST_SHARE = 0.1
-#: A coarsened graph's search down whose questions aim on one device type (not by pattern) is held only this share of that:
-#: there it rarely proves its plan (the encoder-decoders' bound stays on the floor), and held 0.1 of the time left, BART-base's
-#: and T5-small's exports at 2 stages on gpu4 and fpga4 took 2 s longer (1.3-1.4 s -> 3.4-3.6 s of solving) for the same
-#: plan and bound.
+#: A coarsened graph's search down whose questions are not asked by pattern (aimed on one device type, or bisecting) is held
+#: only this share of that: there it rarely proves its plan (the encoder-decoders' bound stays on the floor), and held 0.1 of
+#: the time left, BART-base's and T5-small's exports at 2 stages on gpu4 and fpga4 took 2 s longer (1.3-1.4 s -> 3.4-3.6 s of
+#: solving) for the same plan and bound.
 _AIMED_HOLD = 0.3
 
 
