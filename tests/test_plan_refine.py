@@ -13,8 +13,8 @@ from onnxpipe.graph import load
 from onnxpipe.plan import baselines, build_problem, evaluate, lower_bound
 from onnxpipe.plan import solve as solve_module
 from onnxpipe.plan.coarsen import coarsen, refine
-from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.cpsat import solve_cpsat
+from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.layout import to_assignment
 from onnxpipe.plan.solve import solve
