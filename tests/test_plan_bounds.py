@@ -18,6 +18,7 @@ from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.graph import load
 from onnxpipe.models import build
 from onnxpipe.plan import Assignment, build_problem, evaluate, fits, lower_bound, plan
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.chainbound import chain_bound, segments
 from onnxpipe.plan.solve import solve
 from onnxpipe.target import Device, Link, Target, load_target
@@ -215,7 +216,8 @@ def test_strictly_tighter_where_a_stage_cannot_mix_devices() -> None:
     costs = mixed_costs(graph, [3e9 if i % 2 else 1e5 for i in range(40)])
     problem = build_problem(graph, costs, mixed_target(1), batch=graph.batch * 2, microbatches=2)
     bound = lower_bound(problem, 2)
-    p = solve(problem, 2, time_limit=5)  # the least bottleneck (plan() may trade some for a shorter iteration)
+    # the least bottleneck (plan() may trade some for a shorter iteration); bounds without a deadline, as `lower_bound`'s
+    p = solve(problem, 2, time_limit=5, bounds=Bounds(problem))
     assert max(bound.work_seconds, bound.node_seconds) * 1.15 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
     assert p.lower_bound_seconds == bound.seconds == bound.chain_seconds
     assert bound.chain_seconds == pytest.approx(p.bottleneck_seconds, rel=0.05)
@@ -229,7 +231,8 @@ def test_strictly_tighter_where_replicas_pay_the_all_reduce() -> None:
     bound = lower_bound(problem, 2)
     assert any(s.allreduce_seconds > 0 for s in p.stages)
     assert max(bound.work_seconds, bound.node_seconds) * 1.03 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
-    assert p.lower_bound_seconds == bound.seconds
+    # Planning gives the chain bound a share of its time limit: on a loaded machine it may stop there, weaker but valid.
+    assert max(bound.work_seconds, bound.node_seconds) <= p.lower_bound_seconds <= bound.seconds
 
 
 def test_strictly_tighter_where_a_node_cannot_be_split() -> None:

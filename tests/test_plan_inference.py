@@ -91,7 +91,8 @@ def test_the_cli_plans_an_inference_pipeline(tmp_path: Path) -> None:
     assert written.mode == "inference" and written.latency_seconds > 0
     bound = lower_bound(build_problem(load(str(model)), annotate(load(str(model))), load_target("fpga4"), batch=written.batch,
                                       microbatches=written.microbatches, mode="inference"), 2)
-    assert bound.seconds == pytest.approx(written.lower_bound_seconds, rel=1e-9)
+    # the inference bound (no backward work); its chain part gets a share of the time limit and may stop early, weaker but valid
+    assert max(bound.work_seconds, bound.node_seconds) * (1 - 1e-9) <= written.lower_bound_seconds <= bound.seconds * (1 + 1e-9)
 
 
 def _plan_cli(model: Path, *args: str) -> subprocess.CompletedProcess[str]:

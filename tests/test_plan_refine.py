@@ -12,6 +12,7 @@ from test_plan import chain_model, hand_costs, make_target
 from onnxpipe.graph import load
 from onnxpipe.plan import baselines, build_problem, evaluate, lower_bound
 from onnxpipe.plan import solve as solve_module
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.coarsen import coarsen, refine
 from onnxpipe.plan.cpsat import solve_cpsat
 from onnxpipe.plan.deadline import Deadline
@@ -49,7 +50,9 @@ def test_refinement_reaches_the_node_level_optimum_the_coarse_blocks_miss() -> N
 def test_solve_info_of_a_coarsened_problem_claims_only_what_holds_for_every_plan(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(solve_module, "_PROVE_LEVEL", 0)  # a graph too large to be searched node by node afterwards
     problem = _chain_problem(FLOPS)
-    p = solve(problem, 3, max_blocks=6, time_limit=5)
+    # Bounds without a deadline: under a time limit the chain bound may stop early (a weaker bound, still valid), and a
+    # loaded machine then reports less than `lower_bound` below
+    p = solve(problem, 3, max_blocks=6, time_limit=5, bounds=Bounds(problem))
     optimum = _best_over(problem, coarsen(problem, problem.n), 3)
     coarse_bound = solve_cpsat(problem, coarsen(problem, 6), 3, time_limit=5).bound_seconds
     assert coarse_bound > optimum  # CP-SAT's proof over the coarse blocks says nothing about finer plans ...
