@@ -23,8 +23,7 @@ from onnxpipe.graph import load
 from onnxpipe.plan import baselines, build_problem, evaluate, lower_bound
 from onnxpipe.plan import solve as solve_module
 from onnxpipe.plan.coarsen import coarsen
-from onnxpipe.plan import patterns as patterns_module
-from onnxpipe.plan.cpsat import CpResult, Stall, Stop, _Model, solve_cpsat
+from onnxpipe.plan.cpsat import CpResult, Stall, Stop, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.layout import Layout, to_assignment
@@ -325,68 +324,6 @@ def test_a_cp_sat_question_ends_at_the_first_plan_within_its_ceiling() -> None:
     # Every plan's bottleneck is within a ceiling this high: the first one found answers, far above the optimum.
     answer = solve_cpsat(problem, nodes, 4, recompute="never", ceiling_seconds=1e3, time_limit=20, workers=1, refute=True)
     assert answer.status == "FEASIBLE" and answer.layout is not None and answer.objective_seconds > optimum.objective_seconds
-
-
-def _slow_link_chain(n: int, skips: dict[int, int], flops: list[float]):  # type: ignore[no-untyped-def]
-    graph = load(chain_model(n, skips))
-    return build_problem(graph, hand_costs(graph, flops), slow_link_target(4e12), batch=graph.batch * 4, microbatches=4)
-
-
-@settings(max_examples=5, deadline=None)
-@given(n=st.integers(4, 5), data=st.data())
-def test_a_search_down_deciding_device_groups_first_proves_what_brute_force_finds(n: int, data: st.DataObject) -> None:
-    """`groups_first` (the search down where the questions bisect) changes the order CP-SAT searches in, never its verdict."""
-    skips = {i: data.draw(st.integers(0, i - 2)) for i in range(2, n) if data.draw(st.booleans())}
-    problem = _slow_link_chain(n, skips, data.draw(st.lists(st.floats(1e6, 1e9), min_size=n, max_size=n)))
-    nodes = coarsen(problem, problem.n)
-    start = baselines(problem, 3, "never")["uniform-nodes"]
-    hint = solve_module._layout_of(problem, start, nodes, True)
-    expected = brute_force(problem, 3, "never")
-    for first in (True, False):
-        found = solve_cpsat(problem, nodes, 3, recompute="never", hint=hint, ceiling_seconds=start.bottleneck_seconds, time_limit=20,
-                            workers=1, groups_first=first)
-        assert found.status == "OPTIMAL" and found.layout is not None
-        assert evaluate(problem, to_assignment(problem, nodes, found.layout)).bottleneck_seconds == pytest.approx(expected, rel=1e-9)
-
-
-def test_deciding_device_groups_first_leaves_the_hints_option_of_each_stage_last() -> None:
-    problem = _slow_link_chain(6, {3: 1}, [1e8] * 6)
-    nodes = coarsen(problem, problem.n)
-    model = _Model(problem, nodes, 3, "never", True, 0.0, math.inf)
-    hint = Layout(block_stage=np.array([0, 0, 1, 1, 2, 2]), groups=(1, 0, 0), replicas=(1, 1, 1), recompute=(False,) * 3)
-    model.groups_first(hint)
-    (strategy,) = model.cp.proto.search_strategy
-    order = [e.vars[0] for e in strategy.exprs]
-    ranks = [{o: order.index(v.index) for o, v in enumerate(y)} for y in model.y]
-    assert len(model.options) > 1
-    for s, stage in enumerate(ranks):
-        chosen = model.options.index((hint.groups[s], hint.replicas[s]))
-        assert stage[chosen] == max(stage.values())  # tried after the stage's other options
-    assert all(max(a.values()) < min(b.values()) for a, b in zip(ranks, ranks[1:]))  # stage by stage
-
-
-@pytest.mark.parametrize("bisecting", [False, True])
-def test_prove_decides_device_groups_first_in_its_search_down_only_where_the_questions_bisect(monkeypatch, bisecting: bool) -> None:  # type: ignore[no-untyped-def]
-    """Where the patterns are too many to ask one at a time the search down is what proves the plan; where they are asked
-    one at a time the questions need the better plans it finds, which that order finds later."""
-    problem = _slow_link_chain(8, {5: 2}, [float(f) * 1e8 for f in range(1, 9)])
-    nodes = coarsen(problem, problem.n)
-    least = baselines(problem, 3, "never")["uniform-nodes"]
-    if bisecting:
-        monkeypatch.setattr(patterns_module, "MOST", 0)
-    real, searches_down = solve_module.solve_cpsat, []
-
-    def solve_cpsat_spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if not kwargs.get("refute"):
-            searches_down.append(kwargs.get("groups_first", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(solve_module, "solve_cpsat", solve_cpsat_spy)
-    hint = solve_module._layout_of(problem, least, nodes, True)
-    result = solve_module._prove(problem, nodes, hint, least, 3, "never", True, 0.0, Deadline(60.0), lambda _: None, hold=0.0)
-    assert result.status == "OPTIMAL"
-    assert result.objective_seconds == pytest.approx(brute_force(problem, 3, "never"), rel=1e-6)
-    assert searches_down == [bisecting]
 
 
 def test_stall_ends_a_search_once_it_finds_no_better_plan() -> None:

@@ -11,7 +11,7 @@ rules out stages a block cannot take in any better plan: the model has variables
 and the tensors it sends or receives, can take (half of them or fewer at 8 stages; CP-SAT's time grows with
 the crossing variables it propagates). The first-principles bound is the objective's floor.
 
-Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `hint` -> `groups_first` -> `_windows` (`_devices`, `_holds`, `_held`).
+Reading order: `CpResult` -> `solve_cpsat` -> `_Model` (variables, then constraints) -> `hint` -> `_windows` (`_devices`, `_holds`, `_held`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,6 @@ def solve_cpsat(
     stop: Stop | None = None,
     searching: threading.Event | None = None,
     refute: bool = False,
-    groups_first: bool = False,
 ) -> CpResult:
     """Minimise the bottleneck seconds per micro-batch. `floor_seconds` is a known valid lower bound;
     `ceiling_seconds` the bottleneck of a plan on these blocks (the hint's), which bounds the search. `stop`: ends
@@ -137,8 +136,7 @@ def solve_cpsat(
     question is whether any plan is within the ceiling (`probe`), not the least bottleneck: the first plan found answers it
     (and the next question asks below it; going on to the time limit instead, BART-base's export on gpu4 at 4 stages spent 3.2 s
     bettering a plan the question had found by 0.01%). `time_limit` covers building the model too (0.1-0.4 s node by node on
-    the exports): none left for the search, it does not start (UNKNOWN). `groups_first`: with a hint and one worker, branch on
-    each stage's device group before anything else, the hint's last (`_Model.groups_first`)."""
+    the exports): none left for the search, it does not start (UNKNOWN)."""
     from ortools.sat.python import cp_model  # here, not at import: it loads pandas (~0.5 s) that split, simulate and train never need
 
     started = time.perf_counter()
@@ -151,9 +149,6 @@ def solve_cpsat(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = workers or _default_workers()
-    if groups_first and hint is not None and solver.parameters.num_workers == 1:
-        model.groups_first(hint)
-        solver.parameters.search_branching = cp_model.PARTIAL_FIXED_SEARCH  # that order, then CP-SAT's own search
     solver.parameters.stop_after_first_solution = refute
     if solver.parameters.num_workers == 1 and refute and (len(problem.group_devices) == 1 or problem.stage_groups):
         # A question below the best plan (`probe`) on one device type, or each stage's fixed (`plan.patterns`): CP-SAT's full
@@ -472,21 +467,6 @@ class _Model:
         # on a 789-node graph).
         self.cp.proto.solution_hint.vars.extend(hinted)
         self.cp.proto.solution_hint.values.extend(values)
-
-    def groups_first(self, last: Layout) -> None:
-        """Decide each stage's (group, replicas) option first, stage by stage, the option `last` takes after the others: a
-        proof that no plan beats `last` then refutes one pattern of device types after another, learning from each, and
-        `last`'s own pattern, the slowest to refute (`plan.patterns`), last. Measured in CP-SAT's deterministic time, the search
-        down from the best plan at 8 heterogeneous stages (70 patterns), the same verdicts: BERT-base's export 1.90 instead of
-        2.46, LLaMA's 1.46 instead of 1.76, GPT-2's 0.73 instead of 0.90, ViT-B/16's 0.56 instead of 0.73, Swin-T's 0.91
-        instead of 1.01, DistilBERT's 0.35 instead of 0.47 (the hint's option first instead of last: 7.84 in all of the
-        eleven exports instead of 7.50, 8.94 without). It finds better plans later: where the questions go by pattern
-        (`plan.solve._prove`) and need them, T5-small's export at 4 heterogeneous stages took 21 s instead of 13 (one run each)."""
-        from ortools.sat.python import cp_model
-
-        chosen = [self.options.index(o) if o in self.options else -1 for o in zip(last.groups, last.replicas)]
-        order = [self.y[s][o] for s in range(self.k) for o in sorted(range(len(self.options)), key=lambda o: o == chosen[s])]
-        self.cp.add_decision_strategy(order, cp_model.CHOOSE_FIRST, cp_model.SELECT_MAX_VALUE)
 
     def layout(self, solver: cp_model.CpSolver) -> Layout:
         k = self.k

@@ -233,9 +233,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     LLaMA's export at 8 heterogeneous stages proven in 5.7-6.4 s instead of 3.9-4.7 s). Side by side because neither alone does both:
     the search down proves the zoo's and most exports' plans optimal in 0.1-3 s and stalls on the encoder-decoders
     with its bound on the floor, where the questions raise it (measured on one core each; CP-SAT leaves the
-    interpreter lock while it searches). Where the questions bisect, the search down is what proves the plan, so it
-    decides each stage's device group first, the best plan's last (`cpsat._Model.groups_first`); where they aim, they need
-    the better plans it finds sooner without."""
+    interpreter lock while it searches)."""
     best = least.bottleneck_seconds
     report(f"{plural(stages, 'stage')}: CP-SAT node by node from the best plan and below it, up to {until.remaining():.0f} s"
            f"{_best_so_far(problem, [least])}")
@@ -308,7 +306,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
         try:
             searched = solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, hint=hint, floor_seconds=floor,
                                    ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=found_down,
-                                   stop=down, searching=searching, groups_first=not aim)
+                                   stop=down, searching=searching)
         finally:
             ended.set()
             asking.stop()  # the search down has ended: proven, or out of time
