@@ -17,6 +17,7 @@ from onnxpipe import models
 from onnxpipe.cost import annotate
 from onnxpipe.graph import load
 from onnxpipe.plan import baselines, build_problem, fits, lower_bound, plan
+from onnxpipe.plan import chainbound
 from onnxpipe.plan.chainbound import chain_bound
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.explore import stage_counts
@@ -110,6 +111,30 @@ def test_the_chain_bound_cut_short_is_still_a_bound(transformer, tmp_path: Path)
     cut = chain_bound(problem, 4, deadline=Deadline(30, clock))
     assert clock.readings > 30  # it ran into the deadline (each state of a walk reads the clock)
     assert 0 < cut < full
+
+
+def test_the_chain_bound_bisects_for_its_share_once_its_chain_is_built(transformer, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Building the chain (its cuts' max-flows, once per problem) comes before the bisection's share: where the share ran out
+    while the cuts were found, the bound was 0 (a slow machine planning the 10,000-node transformer in 10 s). The
+    bisection itself still stops once it has had its share."""
+    graph, costs = transformer
+
+    def problem():  # type: ignore[no-untyped-def]
+        return build_problem(graph, costs, cluster(4, tmp_path), batch=graph.batch * 8, microbatches=8)  # a new one: chains are kept per problem
+
+    full = chain_bound(problem(), 4)
+    now = [0.0]
+    real = chainbound._cuts
+
+    def slow_cuts(*args):  # type: ignore[no-untyped-def]
+        now[0] += 5.0  # longer than the share, 0.03 of 30 s
+        return real(*args)
+
+    monkeypatch.setattr(chainbound, "_cuts", slow_cuts)
+    assert lower_bound(problem(), 4, deadline=Deadline(30, lambda: now[0]), share=0.03).chain_seconds == full
+    clock = Ticks()
+    cut = lower_bound(problem(), 4, deadline=Deadline(1000, clock), share=0.03).chain_seconds
+    assert 30 < clock.readings < 1000 and 0 < cut < full  # 30 ticks of bisection, far from the whole deadline
 
 
 @pytest.mark.parametrize("count", [100, 1000])

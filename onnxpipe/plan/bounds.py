@@ -18,8 +18,8 @@ from onnxpipe.pricing.stage import state_bytes
 
 __all__ = ["LowerBound", "lower_bound", "Bounds"]
 
-#: Share of the planning budget one stage count's chain bound may take (its bisection stops there with a
-#: weaker, still valid bound): exploring prices up to a few dozen stage counts.
+#: Share of the planning budget one stage count's chain bound may bisect for (it stops there with a weaker, still valid
+#: bound; building the chain, once per problem, comes before): exploring prices up to a few dozen stage counts.
 _CHAIN_SHARE = 0.03
 
 
@@ -54,7 +54,7 @@ class LowerBound:
 class Bounds:
     """The lower bounds of one problem by stage count, each found once: solving and exploring price many
     plans of one problem, every priced plan carries its bound, and the chain bound's DP is the costly part.
-    Under a `deadline`, each stage count's chain bound takes at most `_CHAIN_SHARE` of the budget."""
+    Under a `deadline`, each stage count's chain bound bisects for at most `_CHAIN_SHARE` of the budget."""
 
     def __init__(self, problem: Problem, deadline: Deadline | None = None) -> None:
         self.problem = problem
@@ -63,14 +63,13 @@ class Bounds:
 
     def __call__(self, stages: int, replicas: bool = True) -> LowerBound:
         if (stages, replicas) not in self._found:
-            within = self.deadline.within(_CHAIN_SHARE) if self.deadline is not None else None
-            self._found[stages, replicas] = lower_bound(self.problem, stages, replicas, within)
+            self._found[stages, replicas] = lower_bound(self.problem, stages, replicas, self.deadline, _CHAIN_SHARE)
         return self._found[stages, replicas]
 
 
-def lower_bound(problem: Problem, stages: int, replicas: bool = True, deadline: Deadline | None = None) -> LowerBound:
+def lower_bound(problem: Problem, stages: int, replicas: bool = True, deadline: Deadline | None = None, share: float = 1.0) -> LowerBound:
     """Bounds for plans of `stages` stages (replicated stages may use every device when `replicas`); the chain
-    bound stops at `deadline` with the best bound it has proven."""
+    bound stops at `deadline`, or once it has bisected for `share` of its budget, with the best bound it has proven."""
     work = problem.forward + problem.backward
     counts = np.array([len(d) for d in problem.group_devices])
     usable = problem.device_count if replicas else stages
@@ -79,7 +78,7 @@ def lower_bound(problem: Problem, stages: int, replicas: bool = True, deadline: 
     state = state_bytes(problem.params, problem.trained, problem.optimizer_states, problem.training)
     spread = float(state.sum()) / usable
     per_node = float(np.max(state + problem.activations / np.max(most_replicas)))
-    chain = chain_bound(problem, stages, replicas, deadline)
+    chain = chain_bound(problem, stages, replicas, deadline, share)
     return LowerBound(
         work_seconds=_work_bound(work, counts, usable),
         node_seconds=node,
