@@ -16,8 +16,7 @@ import pytest
 from onnxpipe import models
 from onnxpipe.cost import annotate
 from onnxpipe.graph import load
-from onnxpipe.plan import baselines, build_problem, fits, lower_bound, plan
-from onnxpipe.plan import chainbound
+from onnxpipe.plan import baselines, build_problem, chainbound, fits, lower_bound, plan
 from onnxpipe.plan.chainbound import chain_bound
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.explore import stage_counts

@@ -159,7 +159,7 @@ def chain_bound(problem: Problem, stages: int, replicas: bool = True, deadline: 
     once per problem (`_chain_of`), and not counted, as where it was, the share ran out while the chain's cuts were
     found, on a slow machine, and the bound was 0 (the 10,000-node transformer on hetero at 8 stages, planned in
     10 s: 0.45 s to build the chain against a share of 0.3 s; the work bound was reported, 18.8% below the plan,
-    instead of the chain bound's 0.3%)."""
+    instead of the chain bound's 0.19%)."""
     chain = _chain_of(problem, replicas)
     deadline = deadline.within(share) if deadline is not None else None
     high = min(chain.total(g) for g in range(len(chain.counts)))
@@ -196,7 +196,7 @@ _CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _chain_of(problem: Problem, replicas: bool) -> _Chain:
     """The chain of a problem, built once per `replicas`: its cuts' max-flows and knapsacks take longer than a bisection
-    over it (the 10,000-node transformer on hetero: 0.37 s against 0.1-0.25 s), and bounds are asked of many stage counts."""
+    over it (the 10,000-node transformer on hetero: 0.37 s against about 0.1 s), and bounds are asked of many stage counts."""
     chains = _CHAINS.setdefault(problem, {})
     if replicas not in chains:
         chains[replicas] = _Chain(problem, segments(problem), replicas)
