@@ -155,11 +155,11 @@ def _cut(ancestors: list[int], dropped: int) -> Segments:
 def chain_bound(problem: Problem, stages: int, replicas: bool = True, deadline: Deadline | None = None, share: float = 1.0) -> float:
     """Least bottleneck (seconds per micro-batch) of the chain relaxation; 0 when no walk fits. When `deadline`
     passes, the bisection's lower end so far: every bottleneck below it was proven infeasible, so it is a bound. The
-    bisection takes at most `share` of the deadline's budget from when it starts: the chain it walks is built before,
-    once per problem (`_chain_of`), and not counted, as where it was, the share ran out while the chain's cuts were
-    found, on a slow machine, and the bound was 0 (the 10,000-node transformer on hetero at 8 stages, planned in
-    10 s: 0.45 s to build the chain against a share of 0.3 s; the work bound was reported, 18.8% below the plan,
-    instead of the chain bound's 0.19%)."""
+    bisection takes at most `share` of the deadline's budget, counted from when it starts; the chain it walks is built
+    before, once per problem (`_chain_of`). Counted from before, the share could run out while the chain's cuts were
+    found and the bound was 0: on a slow machine, the 10,000-node transformer on hetero at 8 stages planned in 10 s took
+    0.45 s to build its chain against a share of 0.3 s, and the work bound was reported, 18.8% below the plan, instead
+    of the chain bound's 0.19%."""
     chain = _chain_of(problem, replicas)
     deadline = deadline.within(share) if deadline is not None else None
     high = min(chain.total(g) for g in range(len(chain.counts)))
