@@ -18,7 +18,8 @@ from onnxpipe.cost import Costs, NodeCost, annotate
 from onnxpipe.graph import load
 from onnxpipe.models import build
 from onnxpipe.plan import Assignment, build_problem, evaluate, fits, lower_bound, plan
-from onnxpipe.plan.bounds import Bounds
+from onnxpipe.plan import bounds as bounds_module
+from onnxpipe.plan.bounds import Bounds, bounds_of
 from onnxpipe.plan.chainbound import chain_bound, segments
 from onnxpipe.plan.solve import solve
 from onnxpipe.target import Device, Link, Target, load_target
@@ -245,6 +246,25 @@ def test_strictly_tighter_where_a_node_cannot_be_split() -> None:
     p = solve(problem, 2, time_limit=5)
     assert max(bound.work_seconds, bound.node_seconds) * 1.4 < bound.chain_seconds <= p.bottleneck_seconds * (1 + 1e-9)
     assert bound.chain_seconds == pytest.approx(p.bottleneck_seconds, rel=0.01)
+
+
+def test_plans_priced_without_bounds_carry_the_bound_found_once_per_problem(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`evaluate` given no `Bounds` (a brute force, hand-given cuts, the baselines) bisects each stage count's chain bound
+    once per problem, not once per plan, and carries the same bound as `lower_bound`."""
+    graph = load(chain_model(6, {}))
+    problem = build_problem(graph, mixed_costs(graph, [1e9, 3e9, 1e5, 2e9, 1e9, 3e9]), mixed_target(2), batch=graph.batch * 2, microbatches=2)
+    expected = lower_bound(problem, 2).seconds
+    asked: list[int] = []
+    bisect = bounds_module.chain_bound
+    monkeypatch.setattr(bounds_module, "chain_bound", lambda p, k, *a: asked.append(k) or bisect(p, k, *a))
+    devices = ((problem.group_devices[0][0],), (problem.group_devices[1][0],))
+    for cut in range(1, 6):
+        stages = (problem.nodes[:cut], problem.nodes[cut:])
+        assert evaluate(problem, Assignment(stages, devices, (False, False))).lower_bound_seconds == expected
+    assert asked == [2]
+    assert bounds_of(problem) is bounds_of(problem)
+    other = build_problem(graph, problem.costs, problem.target, batch=graph.batch * 2, microbatches=2)
+    assert bounds_of(other) is not bounds_of(problem)
 
 
 def _proven_least(problem, stages: int) -> float | None:  # type: ignore[no-untyped-def]
