@@ -3,7 +3,9 @@ tighter than the work and node bounds where stages must be contiguous on one gro
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import numpy as np
 import onnx
@@ -19,8 +21,10 @@ from onnxpipe.graph import load
 from onnxpipe.models import build
 from onnxpipe.plan import Assignment, build_problem, evaluate, fits, lower_bound, plan
 from onnxpipe.plan import bounds as bounds_module
-from onnxpipe.plan.bounds import Bounds, bounds_of
+from onnxpipe.plan import chainbound
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.chainbound import chain_bound, segments
+from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.solve import solve
 from onnxpipe.target import Device, Link, Target, load_target
 
@@ -250,7 +254,7 @@ def test_strictly_tighter_where_a_node_cannot_be_split() -> None:
 
 def test_plans_priced_without_bounds_carry_the_bound_found_once_per_problem(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`evaluate` given no `Bounds` (a brute force, hand-given cuts, the baselines) bisects each stage count's chain bound
-    once per problem, not once per plan, and carries the same bound as `lower_bound`."""
+    once per problem, not once per plan, and carries the same bound as `lower_bound`; a deadline's bounds are its own."""
     graph = load(chain_model(6, {}))
     problem = build_problem(graph, mixed_costs(graph, [1e9, 3e9, 1e5, 2e9, 1e9, 3e9]), mixed_target(2), batch=graph.batch * 2, microbatches=2)
     expected = lower_bound(problem, 2).seconds
@@ -262,9 +266,24 @@ def test_plans_priced_without_bounds_carry_the_bound_found_once_per_problem(monk
         stages = (problem.nodes[:cut], problem.nodes[cut:])
         assert evaluate(problem, Assignment(stages, devices, (False, False))).lower_bound_seconds == expected
     assert asked == [2]
-    assert bounds_of(problem) is bounds_of(problem)
+    assert Bounds(problem)(2).seconds == expected and asked == [2]
     other = build_problem(graph, problem.costs, problem.target, batch=graph.batch * 2, microbatches=2)
-    assert bounds_of(other) is not bounds_of(problem)
+    Bounds(other)(2)
+    Bounds(problem, Deadline(30))(2)
+    assert asked == [2, 2, 2]
+
+
+def test_the_bounds_and_chains_kept_per_problem_go_with_it() -> None:
+    """The caches a problem's bounds and chain are kept in hold it weakly: planning many problems (exploring micro-batch
+    counts and schedules) does not keep them all alive."""
+    graph = load(chain_model(6, {}))
+    problem = build_problem(graph, mixed_costs(graph, [1e9, 3e9, 1e5, 2e9, 1e9, 3e9]), mixed_target(2), batch=graph.batch * 2, microbatches=2)
+    Bounds(problem)(2)
+    kept = weakref.ref(problem)
+    assert problem in bounds_module._UNTIMED and problem in chainbound._CHAINS and problem in chainbound._CUTS
+    del problem
+    gc.collect()
+    assert kept() is None
 
 
 def _proven_least(problem, stages: int) -> float | None:  # type: ignore[no-untyped-def]

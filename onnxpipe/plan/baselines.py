@@ -10,7 +10,7 @@ import numpy as np
 
 from onnxpipe.plan.coarsen import Blocks, coarsen
 from onnxpipe.plan.dp import solve_dp
-from onnxpipe.plan.bounds import Bounds, bounds_of
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.evaluate import evaluate
 from onnxpipe.plan.layout import to_assignment
 from onnxpipe.pricing.problem import Problem
@@ -24,7 +24,7 @@ def baselines(
     problem: Problem, stages: int, recompute: str = "auto", replicas: bool = True, blocks: Blocks | None = None, bounds: Bounds | None = None
 ) -> dict[str, Plan]:
     """Each baseline's plan by name; a baseline that cannot form `stages` stages is left out."""
-    bounds = bounds or bounds_of(problem)
+    bounds = bounds or Bounds(problem)
     devices = tuple((d.name,) for d in problem.target.devices[:stages])
     found: dict[str, Plan] = {}
     layers = (problem.params > 0).astype(float)

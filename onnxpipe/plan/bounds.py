@@ -17,7 +17,7 @@ from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import state_bytes
 
-__all__ = ["LowerBound", "lower_bound", "Bounds", "bounds_of"]
+__all__ = ["LowerBound", "lower_bound", "Bounds"]
 
 #: Share of the planning budget one stage count's chain bound may bisect for (it stops there with a weaker, still valid
 #: bound; building the chain, once per problem, comes before): exploring prices up to a few dozen stage counts.
@@ -52,33 +52,27 @@ class LowerBound:
         return self.memory_bytes <= self.capacity_bytes and self.chain_fits
 
 
+#: Per problem, the bounds found without a deadline (`Bounds`): plain numbers, so an entry never keeps its problem alive.
+_UNTIMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class Bounds:
     """The lower bounds of one problem by stage count, each found once: solving and exploring price many
     plans of one problem, every priced plan carries its bound, and the chain bound's DP is the costly part.
-    Under a `deadline`, each stage count's chain bound bisects for at most `_CHAIN_SHARE` of the budget."""
+    Under a `deadline`, each stage count's chain bound bisects for at most `_CHAIN_SHARE` of the budget. Without one,
+    each bound is the full bisection, whoever asks: every `Bounds` of a problem without a deadline shares them (kept per
+    problem, as its chain is), since `evaluate` given none, the baselines and `compare` each made their own, and a brute
+    force over 40 small graphs' every assignment spent 85 of its 91 s bisecting the same bounds again."""
 
     def __init__(self, problem: Problem, deadline: Deadline | None = None) -> None:
         self.problem = problem
         self.deadline = deadline
-        self._found: dict[tuple[int, bool], LowerBound] = {}
+        self._found: dict[tuple[int, bool], LowerBound] = _UNTIMED.setdefault(problem, {}) if deadline is None else {}
 
     def __call__(self, stages: int, replicas: bool = True) -> LowerBound:
         if (stages, replicas) not in self._found:
             self._found[stages, replicas] = lower_bound(self.problem, stages, replicas, self.deadline, _CHAIN_SHARE)
         return self._found[stages, replicas]
-
-
-_UNTIMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def bounds_of(problem: Problem) -> Bounds:
-    """The problem's bounds found without a deadline, kept per problem (as its chain is): whoever prices plans of a
-    problem without a planning budget (`evaluate` given no `Bounds`, the baselines, `compare`) asks the same bounds
-    again for each plan, and each was a full bisection: a brute force over 40 small graphs' every assignment spent 85
-    of its 91 s there."""
-    if problem not in _UNTIMED:
-        _UNTIMED[problem] = Bounds(problem)
-    return _UNTIMED[problem]
 
 
 def lower_bound(problem: Problem, stages: int, replicas: bool = True, deadline: Deadline | None = None, share: float = 1.0) -> LowerBound:

@@ -656,7 +656,9 @@ class _Messages:
     of those links' and its bytes at the most bandwidth), from `_Cuts`; each priced when first asked for."""
 
     def __init__(self, cuts: _Cuts, prefix: list[float], work: np.ndarray, g: int, ok: list[list[bool]], problem: Problem) -> None:
-        self.cuts, self.g, self.ok, self.problem = cuts, g, ok, problem
+        self.cuts, self.g, self.ok = cuts, g, ok
+        # The links' arrays, not the problem: a chain is kept per problem (`_chain_of`) and must not keep it alive.
+        self.latency, self.bandwidth = problem.latency, problem.bandwidth
         # Work on the group up to each segment's end, less the least work of a node that a stage starting inside the segment
         # and ending past it holds (one of its last nodes).
         self.ends = np.asarray(prefix[1:]) - np.array([min(work[v] for v in sinks) for sinks in cuts.sinks])
@@ -681,7 +683,7 @@ class _Messages:
         """The least latency and the most bandwidth of `links` (none: messages cost nothing)."""
         if not links:
             return 0.0, math.inf
-        return min(float(self.problem.latency[a, b]) for a, b in links), max(float(self.problem.bandwidth[a, b]) for a, b in links)
+        return min(float(self.latency[a, b]) for a, b in links), max(float(self.bandwidth[a, b]) for a, b in links)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.plan.bounds import Bounds, bounds_of
+from onnxpipe.plan.bounds import Bounds
 from onnxpipe.plan.result import Plan, SolveInfo, StagePlan
 from onnxpipe.pricing.notes import pricing_notes
 from onnxpipe.pricing.problem import Problem, schedule_table
@@ -30,7 +30,7 @@ def evaluate(problem: Problem, assignment: Assignment, solver: SolveInfo | None 
     k = len(assignment.stages)
     costs = price(problem, assignment, stage_of)
     bottleneck = max(c.seconds_per_microbatch(problem.microbatches) for c in costs)
-    bound = (bounds or bounds_of(problem))(k, replicas).seconds
+    bound = (bounds or Bounds(problem))(k, replicas).seconds
     info = solver or SolveInfo(status="given", bound_seconds=bound, gap=_gap(bottleneck, bound), solve_seconds=0.0, coarsening_loss=0.0, blocks=problem.n)
     table = schedule_table(problem.mode, problem.schedule, k, problem.microbatches)
     sim = simulate(table, costs, problem.target, schedule=problem.schedule, batch=problem.batch)
