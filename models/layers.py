@@ -11,18 +11,55 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["OPSET", "IR_VERSION", "GraphBuilder", "Loss"]
+__all__ = ["OPSET", "IR_VERSION", "GraphBuilder", "Loss", "weights_into"]
 
 #: Default-domain opset every builder targets.
 OPSET = 17
 #: IR version of built models (the newest that onnxruntime 1.19 reads with opset 17).
 IR_VERSION = 8
+
+
+class _Sparse:
+    """Where `weights_into` puts the weights: a file name, the offset of the next weight and those of the ones before."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self.offset = 0
+        self.starts: list[int] = []
+
+
+_SPARSE: ContextVar[_Sparse | None] = ContextVar("onnxpipe_sparse_weights", default=None)
+
+
+@contextmanager
+def weights_into(data: Path) -> Iterator[None]:
+    """While it is open, every weight a builder asks for is an external-data header into `data` (a name beside the
+    model), at its own offset, and no values are drawn; at the end `data` is made that long, sparsely: zeros, but for
+    each weight's first element, its own number (1, 2, ...: one block written per weight). A model of billions of
+    parameters is built in seconds and never held in memory: planning reads weights' sizes alone. Why not zeros
+    throughout: to `onnxpipe.initializers` a weight of one value read in two modules is an exporter's merge (GPT-2's
+    tied embedding and output projection were untied); why a number of its own: a weight equal to another's transpose
+    is an exporter's copy (with 1 first in each, GPT-2's MLP projections were tied). Its weights are not trained ones:
+    it is for planning, not for training or comparing outputs."""
+    sparse = _Sparse(data.name)
+    token = _SPARSE.set(sparse)
+    try:
+        yield
+    finally:
+        _SPARSE.reset(token)
+    with open(data, "wb") as f:
+        f.truncate(sparse.offset)
+        for number, start in enumerate(sparse.starts, 1):
+            f.seek(start)
+            f.write(np.float32(number).tobytes())
 
 
 @dataclass(frozen=True)
@@ -92,10 +129,26 @@ class GraphBuilder:
 
     def weight(self, base: str, shape: Sequence[int], fan_in: int | None = None) -> str:
         """A random float32 initializer: N(0, init_scale) or N(0, 1/fan_in) (fan_in defaults to shape[0])."""
+        sparse = _SPARSE.get()
+        if sparse is not None:
+            return self._external(base, shape, sparse)
         std = self.init_scale if self.init_scale is not None else 1.0 / math.sqrt(max(1, fan_in or shape[0]))
         values = self.rng.standard_normal(tuple(shape), dtype=np.float32)
         values *= np.float32(std)
         return self.tensor(base, values)
+
+    def _external(self, base: str, shape: Sequence[int], sparse: _Sparse) -> str:
+        """A float32 initializer whose values are in `sparse`'s file, at the next offset (`weights_into`)."""
+        name = self.unique(base)
+        header = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(shape), data_location=TensorProto.EXTERNAL)
+        length = 4 * math.prod(int(d) for d in shape)
+        for key, value in (("location", sparse.location), ("offset", str(sparse.offset)), ("length", str(length))):
+            entry = header.external_data.add()
+            entry.key, entry.value = key, value
+        sparse.starts.append(sparse.offset)
+        sparse.offset += length
+        self.initializers.append(header)
+        return name
 
     def fill(self, base: str, shape: Sequence[int], value: float) -> str:
         """A float32 initializer filled with one value (biases, norm scales)."""

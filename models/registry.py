@@ -16,6 +16,7 @@ import onnx
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.models import cnn, control_flow, mlp, multi_io, rnn, transformer
+from onnxpipe.models.layers import weights_into
 
 __all__ = ["ModelSpec", "Knob", "names", "spec", "specs", "build", "parse_knob", "save", "EXTERNAL_DATA_THRESHOLD"]
 
@@ -165,6 +166,19 @@ def parse_knob(name: str, item: str) -> tuple[str, Knob]:
         return key, type(default)(text)
     except ValueError:
         raise OnnxpipeError(f"--set {item!r}: {key} of model {name!r} must be {_KIND[type(default)]} (default {default})") from None
+
+
+def build_sparse(name: str, path: str | os.PathLike, **knobs: Knob) -> list[Path]:
+    """Build a registered model with its weights in a sparse `<file>.data` beside it (`layers.weights_into`), and
+    write it: a full-size model for planning, in seconds and in little memory, as no weight is drawn or held. Not for
+    training. Returns the files written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = target.with_name(target.name + ".data")
+    with weights_into(data):
+        model = build(name, **knobs)
+    onnx.save(model, str(target))
+    return [target, data]
 
 
 def save(model: onnx.ModelProto, path: str | os.PathLike, external: bool | None = None) -> list[Path]:

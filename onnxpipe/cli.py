@@ -223,17 +223,26 @@ def _models_build(
     output: str = typer.Option(..., "-o", "--output", help="Where to write the .onnx file."),
     knob: list[str] = typer.Option(None, "--set", help="Knob override KEY=VALUE, repeatable, e.g. --set layers=4 --set batch=2."),
     train: bool = typer.Option(False, "--train", help="Build the training variant (first output: scalar loss; extra `labels` input)."),
+    sparse: bool = typer.Option(False, "--sparse", help="Weights in a sparse FILE.data (zeros but for one number each), never drawn "
+                                "nor held in memory: a full-size model to plan in seconds, not to train."),
 ) -> None:
-    """Build one model of the zoo and write it (weights go to FILE.data when over 1.5 GB)."""
+    """Build one model of the zoo and write it (weights go to FILE.data when over 1.5 GB, or with --sparse)."""
     from onnxpipe import models
 
     knobs = dict(models.parse_knob(name, item) for item in knob or [])
     if train:
         knobs["train"] = True
-    model = models.build(name, **knobs)
-    written = models.save(model, output)
+    if sparse:
+        import onnx
+
+        written = models.build_sparse(name, output, **knobs)
+        model = onnx.load(str(written[0]), load_external_data=False)  # its weights are headers: a small read
+    else:
+        model = models.build(name, **knobs)
+        written = models.save(model, output)
     size = sum(p.stat().st_size for p in written)
-    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {plural(len(model.graph.node), 'node')}, {size / 2**20:.1f} MiB)")
+    zeros = "; weights sparse on disk, not for training" if sparse else ""
+    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {plural(len(model.graph.node), 'node')}, {size / 2**20:.1f} MiB{zeros})")
 
 
 # --- targets ---------------------------------------------------------------

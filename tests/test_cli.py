@@ -36,7 +36,7 @@ HELP = {
     (): ["--debug", "annotate", "split", "verify", "run", "plan", "train", "simulate", "report", "inspect", "models", "targets"],
     ("inspect",): ["--nodes", "--dim"],
     ("models",): ["build"],
-    ("models", "build"): ["--output", "--set", "--train"],
+    ("models", "build"): ["--output", "--set", "--train", "--sparse"],
     ("targets",): ["show"],
     ("targets", "show"): ["target", "bundled target name"],
     ("annotate",): ["--output", "--json", "--profile", "--dim"],

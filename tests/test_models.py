@@ -308,3 +308,40 @@ def test_cli_lists_and_builds_models(tmp_path) -> None:
     assert model.graph.output[0].name == "loss" and sum(n.op_type == "Gemm" for n in model.graph.node) == 3
     bad = runner.invoke(app, ["models", "build", "mlp", "-o", str(out), "--set", "layers=two"])
     assert bad.exit_code == 2 and "layers of model 'mlp' must be an integer" in bad.output
+
+
+def test_a_sparse_build_has_the_full_models_graph_sizes_and_costs_without_its_weights(tmp_path) -> None:
+    """GPT-2 at full size (124 M parameters): every weight an external-data header into one file whose length is their
+    bytes but which holds next to none on disk; loaded, it has the dense build's nodes, weights, trained set (its tied
+    embedding tied, its MLP projections apart) and costs."""
+    from onnxpipe.cost import annotate
+
+    dense = models.build("gpt2", train=True)
+    written = models.build_sparse("gpt2", tmp_path / "gpt2.onnx", train=True)
+    assert [p.name for p in written] == ["gpt2.onnx", "gpt2.onnx.data"]
+    headers = onnx.load(str(written[0]), load_external_data=False)
+    external = [t for t in headers.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    lengths = [int(dict((e.key, e.value) for e in t.external_data)["length"]) for t in external]
+    offsets = [int(dict((e.key, e.value) for e in t.external_data)["offset"]) for t in external]
+    assert offsets == [sum(lengths[:i]) for i in range(len(lengths))]  # one after another, none shared
+    assert lengths == [4 * math.prod(t.dims) for t in external] and sum(lengths) > 0.95 * 4 * _param_count(dense)
+    data = written[1].stat()
+    assert data.st_size == sum(lengths) > 400 * 2**20 and data.st_blocks * 512 < 2**20  # sparse: a block per weight
+    sparse_graph, dense_graph = load(written[0]), load(dense)
+    assert sparse_graph.compute_nodes == dense_graph.compute_nodes and sparse_graph.parameters == dense_graph.parameters
+    assert sparse_graph.trained == dense_graph.trained and annotate(sparse_graph) == annotate(dense_graph)
+
+
+def test_cli_builds_a_sparse_model(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from onnxpipe.cli import app
+
+    out = tmp_path / "gnmt8.onnx"
+    built = CliRunner().invoke(app, ["models", "build", "gnmt8", "-o", str(out), "--sparse"])
+    assert built.exit_code == 0, built.output
+    said = " ".join(built.output.split())  # the console wraps long lines
+    assert "gnmt8.onnx.data" in said and "weights sparse on disk, not for training" in said
+    written = onnx.load(str(out), load_external_data=False)
+    external = [t for t in written.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    assert (tmp_path / "gnmt8.onnx.data").stat().st_size == 4 * sum(math.prod(t.dims) for t in external) > 2**30  # ~295 M weights

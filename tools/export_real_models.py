@@ -7,7 +7,7 @@ weights as external data) with a symbolic batch (and sequence) dim; GPT-2 once m
 exporter; more families the same way, so that no rule fits one architecture: torchvision ConvNeXt-T (depthwise
 convolutions, channel LayerNorm), EfficientNet-B0 (squeeze-excitation) and Swin-T (shifted windows: rolls and
 window reshapes), transformers DistilBERT and a LLaMA-style decoder. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the zoo
-with its weights as external data in a sparse file: zeros never written nor held in memory.
+with its weights as external data in a sparse file (`onnxpipe.models.build_sparse`): zeros never written nor held in memory.
 
 torch is not a dependency of onnxpipe: run this with an environment that has torch, torchvision,
 transformers and onnxscript (run it with that Python: `python tools/export_real_models.py`); the zoo
@@ -21,13 +21,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from unittest import mock
 
-import onnx
-from onnx import TensorProto
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "exports"
@@ -142,40 +138,10 @@ def _seq2seq(kind: str) -> Callable[[Path], None]:
     return export
 
 
-@contextmanager
-def _sparse_weights(data: Path) -> Iterator[None]:
-    """While the zoo builds a model, every weight it asks for becomes an external-data header into
-    `data`, at its own offset; the file is extended (sparsely: zeros, no bytes written) at the end."""
-    from onnxpipe.models.layers import GraphBuilder
-
-    offset = [0]
-
-    def external(builder: GraphBuilder, base: str, shape: Sequence[int], *_: object, **__: object) -> str:
-        name = builder.unique(base)
-        header = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(shape), data_location=TensorProto.EXTERNAL)
-        length = 4
-        for d in shape:
-            length *= int(d)
-        for key, value in (("location", data.name), ("offset", str(offset[0])), ("length", str(length))):
-            entry = header.external_data.add()
-            entry.key, entry.value = key, value
-        offset[0] += length
-        builder.initializers.append(header)
-        return name
-
-    with mock.patch.object(GraphBuilder, "weight", external), mock.patch.object(GraphBuilder, "fill", external):
-        yield
-    with open(data, "wb") as f:
-        f.truncate(offset[0])
-
-
 def _gpt2_xl(path: Path) -> None:
-    from onnxpipe.models import build
+    from onnxpipe.models import build_sparse
 
-    data = path.with_name(path.name + ".data")
-    with _sparse_weights(data):
-        model = build("gpt2", layers=48, d_model=1600, heads=25, seq=1024, vocab=50257, batch=1)
-    onnx.save(model, str(path))
+    build_sparse("gpt2", path, layers=48, d_model=1600, heads=25, seq=1024, vocab=50257, batch=1)
 
 
 EXPORTS: dict[str, Callable[[Path], None]] = {
