@@ -509,8 +509,16 @@ class _Run:
         self.arrived: dict[_Key, float] = {}
         #: Workers that reached their STEP: it starts once every replica of the stage is there (the all-reduce).
         self.at_step: set[tuple[int, int]] = set()
-        #: Per stage: the (worker, stage) STEPs that exchange gradients with its own (its replicas, the tied stages').
-        self.holders = [[(self.owner(t, i), t) for t in sorted({s, *c.tied}) for i in range(stages[t].replicas)] for s, c in enumerate(stages)]
+        #: Per stage: how many of the (worker, stage) STEPs that exchange gradients with its own (its replicas, the tied
+        #: stages') are not reached yet; and per such STEP, the stages waiting on it. Counted, not checked one by one
+        #: each time a worker at its STEP is polled: over 1,000 replicas that check was most of a simulation.
+        self.awaited = [0] * len(stages)
+        self.awaiting: dict[tuple[int, int], list[int]] = {}
+        for s, c in enumerate(stages):
+            for t in sorted({s, *c.tied}):
+                for i in range(stages[t].replicas):
+                    self.awaiting.setdefault((self.owner(t, i), t), []).append(s)
+                    self.awaited[s] += 1
         self.events: list[Event] = []
         self.live = [sum(c.memory.static for t, c in enumerate(stages) if self.row_of[t] == r) for r, _ in self.places]
         self.memory: list[list[tuple[float, float]]] = [[(0.0, b)] for b in self.live]
@@ -646,8 +654,12 @@ class _Run:
         c = self.stages[s]
         # A row's STEPs close it: reaching one, the worker is at the step of every stage it holds (ZB-V's
         # device 0 holds the first and the last stage, whose tied embeddings would wait on each other).
-        self.at_step.update((w, t) for t, r in enumerate(self.row_of) if r == self.places[w][0])
-        if any(h not in self.at_step for h in self.holders[s]):
+        for t, r in enumerate(self.row_of):
+            if r == self.places[w][0] and (w, t) not in self.at_step:
+                self.at_step.add((w, t))
+                for waiting in self.awaiting.get((w, t), ()):
+                    self.awaited[waiting] -= 1
+        if self.awaited[s]:
             return False
         allreduce = c.allreduce + c.tied_allreduce
         if allreduce > 0:
