@@ -709,7 +709,7 @@ def plan_command(
         console.print(f"--compare: the plan is one stage (on {devices}); the baselines are ways of cutting a model into stages, so at one "
                       "stage there is nothing to compare; pass --stages K (K >= 2) to compare cuts", highlight=False)
     elif compare:
-        others = compare_baselines(graph, costs, tgt, plan, recompute)
+        others = compare_baselines(graph, costs, tgt, plan, recompute, deadline=deadline)
         side = Table(title="baselines (same cost model)")
         for column in ("plan", "stages", "iteration ms", "bottleneck ms", "peak memory", "fits", "iteration vs ours"):
             side.add_column(column, justify="left" if column == "plan" else "right")
