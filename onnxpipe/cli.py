@@ -480,8 +480,11 @@ def split(
         graph = load(model, binding.dims, parse_ties(tie, untie), shapes_by_running=shapes_by_running)
         from onnxpipe.plan import choose_mode
 
+        from onnxpipe.plan.planner import TIME_LIMIT
+
         options["mode"] = choose_mode(graph, mode)
-        plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options)
+        plan = plan_cuts(graph, annotate_costs(graph), load_target(target), [c.strip() for c in cuts.split(",") if c.strip()], **options,
+                         deadline=started or Deadline(TIME_LIMIT))
     else:
         from onnxpipe.plan import plan_model
 

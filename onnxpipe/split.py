@@ -36,6 +36,7 @@ from onnxpipe.units import plural
 
 if TYPE_CHECKING:  # the planner package pulls in the solver; splitting a given plan does not need it
     from onnxpipe.cost import Costs
+    from onnxpipe.plan.deadline import Deadline
     from onnxpipe.plan.result import Plan
     from onnxpipe.pricing.problem import Problem
     from onnxpipe.target import Target
@@ -406,8 +407,11 @@ def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]
 
 
 def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *, batch: int | None = None, microbatches: int = 1,
-              schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto", mode: str = "training") -> Plan:
-    """A priced plan for hand-given cuts, one device per stage taken in the target's order."""
+              schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto", mode: str = "training",
+              deadline: Deadline | None = None) -> Plan:
+    """A priced plan for hand-given cuts, one device per stage taken in the target's order. Its lower bound stops at
+    `deadline`: untimed, on 1,000 devices it took minutes."""
+    from onnxpipe.plan.bounds import Bounds
     from onnxpipe.plan.evaluate import Assignment, evaluate
     from onnxpipe.pricing.problem import build_problem
 
@@ -420,11 +424,12 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
                             schedule=schedule, optimizer=optimizer, mode=mode)
     _ensure_no_sealed_cut(problem, cuts, groups)
     devices = tuple((d.name,) for d in target.devices[: len(groups)])
-    plan = evaluate(problem, Assignment(groups, devices, (recompute == "always",) * len(groups)))
+    bounds = Bounds(problem, deadline)
+    plan = evaluate(problem, Assignment(groups, devices, (recompute == "always",) * len(groups)), bounds=bounds)
     if recompute == "auto":
         over = tuple(s.memory.total > s.memory.capacity for s in plan.stages)
         if any(over):
-            plan = evaluate(problem, Assignment(groups, devices, over))
+            plan = evaluate(problem, Assignment(groups, devices, over), bounds=bounds)
     return plan
 
 

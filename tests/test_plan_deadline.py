@@ -119,6 +119,25 @@ def test_compare_prices_the_baselines_within_the_commands_deadline(transformer, 
     assert any(cut[name].lower_bound_seconds < b.lower_bound_seconds for name, b in full.items())
 
 
+def test_hand_cuts_are_priced_within_the_deadline(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`split --cuts` prices the cuts under a deadline (--time-limit, else the planner's default): untimed, on 1,000 devices
+    their lower bound took a minute or more. Past it, the same stages and iteration time in a handful of clock readings, and
+    a bound no higher than the full one."""
+    from onnxpipe.split import plan_cuts
+
+    graph, costs = transformer
+    target = cluster(32, tmp_path)
+    cuts = [graph.node(graph.compute_nodes[i]).output[0] for i in (3, 20)]
+    full = plan_cuts(graph, costs, target, cuts, microbatches=8)
+    clock = Ticks()
+    deadline = Deadline(1, clock)
+    clock()  # passed
+    cut = plan_cuts(graph, costs, target, cuts, microbatches=8, deadline=deadline)
+    assert clock.readings < 20
+    assert [s.nodes for s in cut.stages] == [s.nodes for s in full.stages] and cut.iteration_seconds == full.iteration_seconds
+    assert 0 <= cut.lower_bound_seconds < full.lower_bound_seconds <= full.bottleneck_seconds
+
+
 def test_the_chain_bound_cut_short_is_still_a_bound(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The chain bound's bisection stops at its deadline with its lower end: never above the full bound."""
     graph, costs = transformer

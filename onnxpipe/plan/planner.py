@@ -27,7 +27,10 @@ from onnxpipe.schedule import SCHEDULES, TABLES, ensure_known, virtual
 from onnxpipe.target import Target, load_target
 from onnxpipe.units import plural
 
-__all__ = ["plan", "plan_model", "choose_mode", "compare", "faster_stage_count"]
+__all__ = ["plan", "plan_model", "choose_mode", "compare", "faster_stage_count", "TIME_LIMIT"]
+
+#: Seconds a planning command takes in all unless told otherwise.
+TIME_LIMIT = 30.0
 
 _RECOMPUTE = ("auto", "always", "never")
 #: Shares of the planning budget: exploring configurations or stage counts stops at the first; solving the
@@ -48,7 +51,7 @@ def plan(
     optimizer: str = "adam",
     recompute: str = "auto",
     replicas: bool = True,
-    time_limit: float = 30.0,
+    time_limit: float = TIME_LIMIT,
     progress: Callable[[str], None] | None = None,
     mode: str = "training",
     max_latency: float | None = None,
