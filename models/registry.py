@@ -18,7 +18,7 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.models import cnn, control_flow, mlp, multi_io, rnn, transformer
 from onnxpipe.models.layers import weights_into
 
-__all__ = ["ModelSpec", "Knob", "names", "spec", "specs", "build", "parse_knob", "save", "EXTERNAL_DATA_THRESHOLD"]
+__all__ = ["ModelSpec", "Knob", "names", "spec", "specs", "build", "build_sparse", "parse_knob", "save", "EXTERNAL_DATA_THRESHOLD"]
 
 Knob = int | float | bool
 

@@ -241,8 +241,8 @@ def _models_build(
         model = models.build(name, **knobs)
         written = models.save(model, output)
     size = sum(p.stat().st_size for p in written)
-    zeros = "; weights sparse on disk, not for training" if sparse else ""
-    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {plural(len(model.graph.node), 'node')}, {size / 2**20:.1f} MiB{zeros})")
+    kind = "; weights sparse on disk, not for training" if sparse else ""
+    console.print(f"wrote {', '.join(str(p) for p in written)} ({name}, {plural(len(model.graph.node), 'node')}, {size / 2**20:.1f} MiB{kind})")
 
 
 # --- targets ---------------------------------------------------------------
@@ -479,7 +479,6 @@ def split(
         binding = bind_batch(model, parse_dims(dim), batch, microbatches or 1)
         graph = load(model, binding.dims, parse_ties(tie, untie), shapes_by_running=shapes_by_running)
         from onnxpipe.plan import choose_mode
-
         from onnxpipe.plan.planner import TIME_LIMIT
 
         options["mode"] = choose_mode(graph, mode)

@@ -410,7 +410,7 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
               schedule: str = "1f1b", optimizer: str = "adam", recompute: str = "auto", mode: str = "training",
               deadline: Deadline | None = None) -> Plan:
     """A priced plan for hand-given cuts, one device per stage taken in the target's order. Its lower bound stops at
-    `deadline`: untimed, on 1,000 devices it took minutes."""
+    `deadline`: untimed, on 1,000 devices it took over a minute."""
     from onnxpipe.plan.bounds import Bounds
     from onnxpipe.plan.evaluate import Assignment, evaluate
     from onnxpipe.pricing.problem import build_problem
