@@ -7,7 +7,7 @@ weights as external data) with a symbolic batch (and sequence) dim; GPT-2 once m
 exporter; more families the same way, so that no rule fits one architecture: torchvision ConvNeXt-T (depthwise
 convolutions, channel LayerNorm), EfficientNet-B0 (squeeze-excitation) and Swin-T (shifted windows: rolls and
 window reshapes), transformers DistilBERT and a LLaMA-style decoder. Plus a GPT-2-XL-shaped model (48 layers, d_model 1600, 1.5 B parameters) built by the zoo
-with its weights as external data in a sparse file (`onnxpipe.models.build_sparse`): zeros never written nor held in memory.
+with its weights as external data in a sparse file (`onnxpipe.models.build_sparse`): never drawn nor held in memory.
 
 torch is not a dependency of onnxpipe: run this with an environment that has torch, torchvision,
 transformers and onnxscript (run it with that Python: `python tools/export_real_models.py`); the zoo

@@ -206,7 +206,7 @@ def choose_mode(graph: Graph, mode: str | None, adds_loss: bool = False) -> str:
 def compare(graph: Graph, costs: Costs, target: Target, plan: Plan, recompute: str = "auto", replicas: bool = True,
             deadline: Deadline | None = None) -> dict[str, Plan]:
     """The baselines under the plan's batch, micro-batches, schedule and optimizer, by name. Their lower bounds stop at
-    `deadline` (the command's): without one, on 1,000 devices at 4 stages the chain bound alone took minutes."""
+    `deadline` (the command's): untimed, `plan --stages 4 --compare --time-limit 10` on 1,000 devices took 103 s."""
     problem = _problem_of(graph, costs, target, plan)
     return baselines(problem, len(plan.stages), recompute, replicas, bounds=Bounds(problem, deadline))
 
