@@ -411,8 +411,8 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
               deadline: Deadline | None = None) -> Plan:
     """A priced plan for hand-given cuts, one device per stage taken in the target's order. Its lower bound stops at
     `deadline`: untimed, on 1,000 devices it took over a minute."""
+    from onnxpipe.plan.baselines import with_recompute
     from onnxpipe.plan.bounds import Bounds
-    from onnxpipe.plan.evaluate import Assignment, evaluate
     from onnxpipe.pricing.problem import build_problem
 
     if recompute not in RECOMPUTE_POLICIES:
@@ -424,13 +424,7 @@ def plan_cuts(graph: Graph, costs: Costs, target: Target, cuts: Sequence[str], *
                             schedule=schedule, optimizer=optimizer, mode=mode)
     _ensure_no_sealed_cut(problem, cuts, groups)
     devices = tuple((d.name,) for d in target.devices[: len(groups)])
-    bounds = Bounds(problem, deadline)
-    plan = evaluate(problem, Assignment(groups, devices, (recompute == "always",) * len(groups)), bounds=bounds)
-    if recompute == "auto":
-        over = tuple(s.memory.total > s.memory.capacity for s in plan.stages)
-        if any(over):
-            plan = evaluate(problem, Assignment(groups, devices, over), bounds=bounds)
-    return plan
+    return with_recompute(problem, groups, devices, recompute, "given", Bounds(problem, deadline))
 
 
 def _ensure_no_sealed_cut(problem: Problem, cuts: Sequence[str], groups: tuple[tuple[str, ...], ...]) -> None:
