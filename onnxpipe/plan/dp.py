@@ -133,7 +133,7 @@ def solve_dp(
     finals = [(v[0][nb], key) for key, v in layers[-1].items() if np.isfinite(v[0][nb])]
     if not finals:
         return None
-    return _backtrack(problem, blocks, table, prefix, layers, min(finals)[1], flights, recompute)
+    return _backtrack(problem, blocks, table, prefix, cache, layers, min(finals)[1], flights, recompute)
 
 
 def _replica_counts(counts: tuple[int, ...], used: tuple[int, ...], g: int, spare: int, replicas: bool, in_order: bool) -> tuple[int, ...]:
@@ -167,7 +167,9 @@ def _span(prefix: np.ndarray) -> np.ndarray:
 
 def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, gn, flight, recompute, with_choice=False):  # type: ignore[no-untyped-def]
     """(blocks+1, blocks+1) seconds per micro-batch of a stage i..j-1 on group g after one on gp, before one on gn (inf
-    where invalid or too big). The spans each take once per group, or once (`cache`): the choices share them."""
+    where invalid or too big). What the choices share is built once (`cache`): the spans per group, the times per
+    (group, replicas, neighbours), the memory masks per (group, micro-batches held), so each choice costs two
+    whole-matrix steps (the DP over BERT-base's export node by node at 8 heterogeneous stages: 132 of them)."""
     key = (g, r, gp, gn, flight, recompute, with_choice)
     if key in cache:
         return cache[key]
@@ -178,9 +180,6 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, gn, flight, re
         return cache[name]
 
     trained = once("trained", lambda: _span(prefix.trained))
-    state = once("state", lambda: state_bytes(_span(prefix.params), trained, problem.optimizer_states, problem.training))
-    acts = once("activations", lambda: _span(prefix.activations))
-    invalid = once("invalid", lambda: np.tril(np.ones_like(trained, dtype=bool)))
     base = cache.get(("base", g, r, gp, gn))
     if base is None:
         forward = once(("forward", g), lambda: _span(prefix.forward[g]) + table.crossing[g]) / r
@@ -189,34 +188,50 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, gn, flight, re
         comm = comm + message_seconds(table.out_count * problem.latency[g, gn], table.out_bytes, r, problem.bandwidth[g, gn])
         a0, a1 = problem.allreduce_affine(g, r)
         allreduce = np.where(trained > 0, a0 + a1 * trained, 0.0) if r > 1 else 0.0
-        base = (seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches), forward)
+        keep = seconds_per_microbatch(forward, backward, comm, allreduce, problem.microbatches)
+        # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward.
+        base = (keep, keep + forward)
         cache[("base", g, r, gp, gn)] = base
-    keep, forward = base
-    capacity = problem.capacity[g]
+    keep, again = base
+    spans = once("spans", lambda: _Spans.of(problem, prefix, trained))
     mine = held(flight, r)  # whole micro-batches on one replica
-    keep_fits = state + activation_bytes(mine, acts, table.stash_bytes, False) <= capacity
-    t_keep = np.where(keep_fits & (recompute != "always"), keep, np.inf)
-    if recompute == "never":
-        times, t_rc = t_keep, np.full_like(keep, np.inf)
-    else:
-        rc_fits = state + activation_bytes(mine, acts, table.stash_bytes, True) <= capacity
-        # Recomputing runs the forward again in backward (`recomputed_backward`): one more forward; never where a node
-        # draws random numbers (`Problem.random`).
-        random = once("random", lambda: _span(prefix.random) > 0)
-        t_rc = np.where(rc_fits & ~random, keep + forward, np.inf)
-        times = np.minimum(t_keep, t_rc)
-    times[invalid] = np.inf
-    cache[key] = (times, t_rc < t_keep) if with_choice else times
+    keep_ok, rc_ok = once(("fits", g, mine, recompute), lambda: spans.fitting(problem.capacity[g], mine, table.stash_bytes, recompute))
+    # Recomputing never costs less than keeping (one forward more): a stage recomputes only where keeping does not fit.
+    times = np.where(keep_ok, keep, np.where(rc_ok, again, np.inf))
+    cache[key] = (times, rc_ok & ~keep_ok) if with_choice else times
     return cache[key]
 
 
-def _backtrack(problem, blocks, table, prefix, layers, key, flights, recompute) -> Layout:  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class _Spans:
+    """Per stage i..j-1 (matrices as `Intervals`): the bytes held whatever the policy, and where a stage may be."""
+
+    state: np.ndarray
+    activations: np.ndarray
+    valid: np.ndarray  # j > i
+    may_recompute: np.ndarray  # valid, and no node draws random numbers (`Problem.random`)
+
+    @staticmethod
+    def of(problem: Problem, prefix: _Prefix, trained: np.ndarray) -> _Spans:
+        valid = ~np.tril(np.ones_like(trained, dtype=bool))
+        return _Spans(state_bytes(_span(prefix.params), trained, problem.optimizer_states, problem.training),
+                      _span(prefix.activations), valid, valid & ~(_span(prefix.random) > 0))
+
+    def fitting(self, capacity: float, mine: int, stash: np.ndarray, recompute: str) -> tuple[np.ndarray, np.ndarray]:
+        """Where a stage holding `mine` micro-batches per replica fits in `capacity` keeping its activations, and where
+        recomputing."""
+        never = np.zeros_like(self.valid)
+        keep = self.valid & (self.state + activation_bytes(mine, self.activations, stash, False) <= capacity) if recompute != "always" else never
+        again = self.may_recompute & (self.state + activation_bytes(mine, self.activations, stash, True) <= capacity) if recompute != "never" else never
+        return keep, again
+
+
+def _backtrack(problem, blocks, table, prefix, cache, layers, key, flights, recompute) -> Layout:  # type: ignore[no-untyped-def]
     nb = blocks.count
     k = len(layers)
     block_stage = np.zeros(nb, dtype=np.int64)
     groups, reps, rcs = [0] * k, [0] * k, [False] * k
     j = nb
-    cache: dict = {}
     for s in range(k - 1, -1, -1):
         value, arg, source = layers[s][key]
         i = int(arg[j])
