@@ -436,3 +436,48 @@ def test_the_messages_it_charges_never_lift_it_above_brute_force(data: st.DataOb
     mode = data.draw(st.sampled_from(["training", "inference"]))
     problem = build_problem(graph, mixed_costs(graph, flops, params), target, batch=graph.batch * 2, microbatches=2, mode=mode)
     assert chain_bound(problem, stages) <= optimum(problem, stages) * (1 + 1e-9)
+
+
+def _exact_rungs(most: int) -> list[tuple[int, int]]:
+    return [(r, r) for r in range(1, most + 1)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data(), st.sampled_from([1e-6, 1e-4]), st.sampled_from([1e7, 1e9]))
+def test_never_above_brute_force_with_replica_counts_in_rungs(data: st.DataObject, latency: float, bandwidth: float) -> None:
+    """A group larger than `EXACT_REPLICAS` knows a stage's replica count only within a rung (chainbound docstring, 7): here
+    every count above 1 is in a rung of two or more ((2, 3), (4, 6)), against every plan on 6 devices."""
+    n, skips, flops, params = random_dag(data)
+    graph = load(chain_model(n, skips))
+    problem = build_problem(graph, mixed_costs(graph, flops, params), one_group_target(6, latency, bandwidth), batch=graph.batch * 2, microbatches=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chainbound, "EXACT_REPLICAS", 1)
+        patch.setattr(chainbound, "_RUNG", 1)
+        assert chainbound._rungs(6) == [(1, 1), (2, 3), (4, 6)]
+        assert chain_bound(problem, 2) <= optimum(problem, 2) * (1 + 1e-9)
+
+
+def test_a_large_groups_replica_counts_in_rungs_take_far_fewer_steps(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """300 devices of one group: in rungs, the bound stays within 1% under the one taking every replica count, whose walk
+    takes a step (a stage's reach) many times more often."""
+    graph = load(chain_model(12, {3: 1, 9: 6}))
+    problem = build_problem(graph, mixed_costs(graph, [2e9] * 12, [4e6] * 12), one_group_target(300, 1e-5, 1e9),
+                            batch=graph.batch * 8, microbatches=8)
+    reach = chainbound._Chain.reach
+
+    def walked(rungs) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+        steps = [0]
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            steps[0] += 1
+            return reach(*args, **kwargs)
+
+        monkeypatch.setattr(chainbound._Chain, "reach", counted)
+        monkeypatch.setattr(chainbound, "_rungs", rungs)
+        monkeypatch.setattr(chainbound, "_CHAINS", weakref.WeakKeyDictionary())  # a chain of these rungs
+        return chain_bound(problem, 3), steps[0]
+
+    in_rungs, few = walked(chainbound._rungs)
+    every, many = walked(_exact_rungs)
+    assert 0.99 * every <= in_rungs <= every and every > 0
+    assert many > 4 * few

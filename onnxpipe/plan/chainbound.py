@@ -70,6 +70,15 @@ Why it is valid:
    past the plan's, so the plan's stage holds whole the segments from the walk's start to its own end, where every
    node takes time on the group (as for the all-reduce, 3): they fit, and the walk's stage may reach as far. Where
    memory keeps the fastest group from taking everything, the bisection starts from a time some walk fits in (none: 0).
+7. A group of more than `EXACT_REPLICAS` devices (1,000 accelerators) would give the DP a state per device count and a
+   step per replica count: over a minute per stage count. There a stage's replica count r is known only within a
+   RUNG [lo, hi] (every count up to `EXACT_REPLICAS` its own; beyond, hi / lo at most 1 + 1 / `_RUNG`): the stage
+   uses lo devices, divides its work and messages by hi and pays the least all-reduce of any count in the rung, and
+   the devices used are rounded down to a rung's lo. Each step only lowers what a real r charges or uses, so the walk
+   of every plan stays feasible; with no group that large, every rung is one count and nothing changes. On one group
+   the DP also drops each state that a state using fewer devices reaches past (`_undominated`: it can do all the
+   other can). The 4-stage bound of transformer-tiny on 1,000 accelerators: 0.0606 ms in 1.1 s instead of 19 s with
+   every count; with neither, 57 s already at 300 devices.
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ import networkx as nx
 import numpy as np
 
 from onnxpipe.plan.deadline import Deadline
+from onnxpipe.plan.layout import EXACT_REPLICAS
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import message_seconds, state_bytes
 
@@ -91,6 +101,8 @@ __all__ = ["Segments", "segments", "chain_bound", "fits_in_memory"]
 
 #: Bisection stops when the interval is this fraction of the starting upper bound.
 _PRECISION = 1e-6
+#: Beyond `EXACT_REPLICAS`, a rung of replica counts spans at most this fraction of its least (module docstring, 7).
+_RUNG = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -252,12 +264,17 @@ class _Chain:
         links = [float(latency[g, h]) for g in groups for h in groups if ok[g][h]]
         #: Least latency of any message, for stages replicated over several groups.
         self.lat_any = min(links, default=0.0)
+        #: Per group: its rungs of replica counts (lo, hi), and each device count rounded down to a rung's lo (module docstring, 7).
+        self.rungs = [_rungs(most) for most in self.most]
+        self.floor = [[0, *(lo for lo, hi in _rungs(count) for _ in range(lo, hi + 1))] for count in self.counts]
+        #: (group, r, True): a stage on r replicas of one group, r a rung's hi (its least all-reduce); (group, r, False): r
+        #: replicas over several groups.
         self.allreduce: dict[tuple[int, int, bool], tuple[float, float, list[float]]] = {}
         for g in groups:
-            for r in range(1, self.most[g] + 1):
-                fixed, slope = problem.allreduce_affine(g, r) if r > 1 else (0.0, 0.0)
-                fixed, slope = fixed / problem.microbatches, slope / problem.microbatches
-                self.allreduce[g, r, True] = (fixed, slope, [w / r + slope * p for w, p in zip(self.prefix[g], self.params[g])])
+            for lo, hi in self.rungs[g]:
+                terms = [problem.allreduce_affine(g, r) if r > 1 else (0.0, 0.0) for r in range(lo, hi + 1)]
+                fixed, slope = (min(term) / problem.microbatches for term in zip(*terms))
+                self.allreduce[g, hi, True] = (fixed, slope, [w / hi + slope * p for w, p in zip(self.prefix[g], self.params[g])])
             for r in range(2, sum(self.counts) + 1):
                 self.allreduce[g, r, False] = (0.0, 0.0, [w / r for w in self.prefix[g]])
 
@@ -419,14 +436,14 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
                 raise _OutOfTime
             before = tuple(u > 0 for u in used)
             for g in groups:
-                for r in range(1, min(chain.most[g], chain.counts[g] - used[g]) + 1):
-                    if sum(used) + r > spare:
+                for lo, r in chain.rungs[g]:  # lo devices used, r replicas charged (module docstring, 7)
+                    if lo > chain.counts[g] - used[g] or sum(used) + lo > spare:
                         break
-                    after = tuple(n - u - (r if h == g else 0) > 0 for h, (u, n) in enumerate(zip(used, chain.counts)))
+                    after = tuple(n - u - (lo if h == g else 0) > 0 for h, (u, n) in enumerate(zip(used, chain.counts)))
                     y = chain.reach(g, r, x[g], t, before=before, after=after)
                     if y >= chain.m:
                         return True
-                    keep(used[:g] + (used[g] + r,) + used[g + 1:], g, x, {g: y}, r)
+                    keep(used[:g] + (chain.floor[g][used[g] + lo],) + used[g + 1:], g, x, {g: y}, r)
             for mix in mixes:
                 if sum(used) + sum(mix) > spare or any(u + c > n for u, c, n in zip(used, mix, chain.counts)):
                     continue
@@ -434,7 +451,7 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
                 if min(ends.values()) >= chain.m:
                     return True
                 keep(tuple(u + c for u, c in zip(used, mix)), _MIXED, x, ends, sum(mix))
-        level = nxt
+        level = _undominated(nxt) if len(chain.counts) == 1 else nxt
     return False
 
 
@@ -451,6 +468,27 @@ def _knapsacks(of: np.ndarray, on_g: np.ndarray, on_h: np.ndarray, segments: int
         rank = np.argsort(-ratio, kind="stable")
         out.append(([0.0, *np.cumsum(a[rank]).tolist()], [0.0, *np.cumsum(b[rank]).tolist()]))
     return out
+
+
+def _undominated(level: dict) -> dict:
+    """States of one group that no state using fewer devices reaches past (the other is at least as good: more devices
+    left, a farther position)."""
+    kept, farthest = {}, -math.inf
+    for key in sorted(level):
+        if level[key][0] > farthest:
+            kept[key], farthest = level[key], level[key][0]
+    return kept
+
+
+def _rungs(most: int) -> list[tuple[int, int]]:
+    """Replica counts 1..most in rungs (lo, hi): each count its own up to `EXACT_REPLICAS`, then hi / lo at most 1 + 1 / `_RUNG`
+    (1,000 devices: 61 rungs)."""
+    rungs, lo = [], 1
+    while lo <= most:
+        hi = lo if lo <= EXACT_REPLICAS else min(most, lo + -(-lo // _RUNG) - 1)
+        rungs.append((lo, hi))
+        lo = hi + 1
+    return rungs
 
 
 def _mixes(chain: _Chain) -> list[tuple[int, ...]]:
