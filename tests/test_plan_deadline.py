@@ -16,7 +16,7 @@ import pytest
 from onnxpipe import models
 from onnxpipe.cost import annotate
 from onnxpipe.graph import load
-from onnxpipe.plan import baselines, build_problem, chainbound, compare, fits, lower_bound, plan
+from onnxpipe.plan import Assignment, baselines, build_problem, chainbound, compare, evaluate, fits, lower_bound, plan
 from onnxpipe.plan.chainbound import chain_bound
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.explore import stage_counts
@@ -171,6 +171,19 @@ def test_the_chain_bound_bisects_for_its_share_once_its_chain_is_built(transform
     clock = Ticks()
     cut = lower_bound(problem(), 4, deadline=Deadline(1000, clock), share=0.03).chain_seconds
     assert 30 < clock.readings < 1000 and 0 < cut < full  # 30 ticks of bisection, far from the whole deadline
+
+
+def test_a_bound_found_over_some_replica_counts_is_not_claimed_for_every_plan(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """1,000 devices offer a stage multiples of 32 replicas: CP-SAT's bound over those is no bound on the plan 32 devices
+    get (8, 7, 8 and 9 replicas), which 1,000 devices can run too. The plan's bound is the one for every plan."""
+    graph, costs = transformer
+    many = plan(graph, costs, cluster(1000, tmp_path), stages=4, microbatches=8, deadline=Deadline(400, Ticks()))
+    few = plan(graph, costs, cluster(32, tmp_path), stages=4, microbatches=8, deadline=Deadline(400, Ticks()))
+    assert any(len(s.devices) not in replica_choices(1000, 1000) for s in few.stages)
+    problem = build_problem(graph, costs, cluster(1000, tmp_path), batch=few.batch, microbatches=8)
+    on_many = evaluate(problem, Assignment(tuple(s.nodes for s in few.stages), tuple(s.devices for s in few.stages),
+                                           tuple(s.recompute for s in few.stages)))
+    assert many.solver.bound_seconds <= on_many.bottleneck_seconds < many.bottleneck_seconds
 
 
 @pytest.mark.parametrize("count", [100, 1000])
