@@ -12,7 +12,7 @@ import pytest
 
 from onnxpipe.cost import NodeCost
 from onnxpipe.errors import OnnxpipeError
-from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, message_cpu, node_seconds, transfer_seconds
+from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, message_cpu, node_seconds, ring_seconds, rings, transfer_seconds
 from onnxpipe.target import bundled_targets, load_target
 from onnxpipe.units import UnitError, format_bytes, format_flops, format_rate, format_seconds, parse_quantity
 
@@ -278,6 +278,18 @@ def test_transfer_and_allreduce(tmp_path: Path) -> None:
     # the slowest link of the ring sets the pace
     assert allreduce_seconds(target, ("g_0", "g_1", "f_0"), 30e6) == pytest.approx(4 * (30e-6 + 10e6 / 10e9))
     assert allreduce_seconds(target, ("g_0",), 1e9) == 0.0
+
+
+@pytest.mark.parametrize("name", ["hetero", "cpu4", "gpu4"])
+def test_rings_found_in_one_pass_price_each_all_reduce_as_it_alone(name: str) -> None:
+    """`rings` gives each prefix of a device list its ring's slowest link in one pass; priced by `ring_seconds`, every prefix's
+    all-reduce is the one `allreduce_seconds` finds link by link (in reverse target order: on hetero, the U280s first)."""
+    target = load_target(name)
+    devices = tuple(d.name for d in reversed(target.devices))
+    found = rings(target, devices)
+    assert len(found) == len(devices) - 1
+    for n, (latency, bandwidth) in enumerate(found, start=2):
+        assert ring_seconds(n, latency, bandwidth, 3e7) == allreduce_seconds(target, devices[:n], 3e7)
 
 
 def test_heterogeneous_link_lookup() -> None:

@@ -20,7 +20,7 @@ from onnxpipe.cost_layout import NCHWC
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.graph import Graph
 from onnxpipe.nodes import draws_random, is_float_dtype
-from onnxpipe.pricing.timemodel import allreduce_seconds, corun_seconds, node_seconds
+from onnxpipe.pricing.timemodel import corun_seconds, node_seconds, ring_seconds, rings
 from onnxpipe.quantized import dequantized_source
 from onnxpipe.target import Device, Target
 from onnxpipe.units import plural
@@ -176,17 +176,19 @@ class Problem:
 
     def allreduce_affine(self, group: int, replicas: int) -> tuple[float, float]:
         """(seconds, seconds per byte) of an all-reduce of gradients over `replicas` devices of a group
-        (none in inference). Each is found once per problem: the bounds and solvers ask for every replica
-        count of a group, O(replicas) link look-ups each."""
+        (none in inference). The bounds and solvers ask for every replica count of a group: its rings' slowest links
+        are found once per problem, in one pass (`timemodel.rings`)."""
         if not self.training:
             return 0.0, 0.0
-        cache = self.__dict__.setdefault("_allreduce_cache", {})
-        if (group, replicas) not in cache:
-            devices = self.group_devices[group][:replicas]
-            one = allreduce_seconds(self.target, devices, 1.0)
-            slope = allreduce_seconds(self.target, devices, 2.0) - one
-            cache[group, replicas] = (one - slope, slope)
-        return cache[group, replicas]
+        if replicas < 2:
+            return 0.0, 0.0
+        cache = self.__dict__.setdefault("_rings", {})
+        if group not in cache:
+            cache[group] = rings(self.target, self.group_devices[group])
+        latency, bandwidth = cache[group][replicas - 2]
+        one = ring_seconds(replicas, latency, bandwidth, 1.0)
+        slope = ring_seconds(replicas, latency, bandwidth, 2.0) - one
+        return one - slope, slope
 
 
 @lru_cache(maxsize=256)
