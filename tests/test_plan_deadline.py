@@ -18,7 +18,9 @@ from onnxpipe.cost import annotate
 from onnxpipe.graph import load
 from onnxpipe.plan import Assignment, baselines, build_problem, chainbound, compare, evaluate, fits, lower_bound, plan
 from onnxpipe.plan.chainbound import chain_bound
+from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.deadline import Deadline
+from onnxpipe.plan.dp import solve_dp
 from onnxpipe.plan.explore import stage_counts
 from onnxpipe.plan.layout import EXACT_REPLICAS, replica_choices
 from onnxpipe.target import Target, load_target
@@ -173,9 +175,10 @@ def test_the_chain_bound_bisects_for_its_share_once_its_chain_is_built(transform
     assert 30 < clock.readings < 1000 and 0 < cut < full  # 30 ticks of bisection, far from the whole deadline
 
 
-def test_a_bound_found_over_some_replica_counts_is_not_claimed_for_every_plan(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """1,000 devices offer a stage multiples of 32 replicas: CP-SAT's bound over those is no bound on the plan 32 devices
-    get (8, 7, 8 and 9 replicas), which 1,000 devices can run too. The plan's bound is the one for every plan."""
+def test_1000_devices_plan_as_well_as_32_of_them_and_claim_no_bound_over_some_replica_counts(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The 4 stages 32 devices get (8, 7, 8 and 9 replicas) run on 1,000 too: 1,000 devices plan within 5% of them (with
+    multiples of 32 replicas alone, 0.107 ms against 0.064), and the bound claimed holds for them (CP-SAT's over the
+    replica counts it was offered said 0.106 ms)."""
     graph, costs = transformer
     many = plan(graph, costs, cluster(1000, tmp_path), stages=4, microbatches=8, deadline=Deadline(400, Ticks()))
     few = plan(graph, costs, cluster(32, tmp_path), stages=4, microbatches=8, deadline=Deadline(400, Ticks()))
@@ -183,7 +186,17 @@ def test_a_bound_found_over_some_replica_counts_is_not_claimed_for_every_plan(tr
     problem = build_problem(graph, costs, cluster(1000, tmp_path), batch=few.batch, microbatches=8)
     on_many = evaluate(problem, Assignment(tuple(s.nodes for s in few.stages), tuple(s.devices for s in few.stages),
                                            tuple(s.recompute for s in few.stages)))
-    assert many.solver.bound_seconds <= on_many.bottleneck_seconds < many.bottleneck_seconds
+    assert many.solver.bound_seconds <= on_many.bottleneck_seconds
+    assert many.bottleneck_seconds <= 1.05 * on_many.bottleneck_seconds
+
+
+def test_the_dp_rounds_devices_used_up_only_while_every_later_stage_keeps_one(transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """On 33 devices (over EXACT_REPLICAS) the DP counts the devices used in replica choices (7 -> 9), never past what
+    leaves each later stage a device: 30 stages of one replica still fit."""
+    graph, costs = transformer
+    problem = build_problem(graph, costs, cluster(33, tmp_path), batch=graph.batch * 2, microbatches=2)
+    layout = solve_dp(problem, coarsen(problem, problem.n), 30)
+    assert layout is not None and len(layout.replicas) == 30 and sum(layout.replicas) <= 33
 
 
 @pytest.mark.parametrize("count", [100, 1000])

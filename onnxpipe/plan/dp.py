@@ -15,6 +15,7 @@ Reading order: `Intervals` / `intervals` -> `solve_dp` -> `_stage_times` -> `_ba
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,7 @@ def solve_dp(
     start[0] = 0.0
     current = {((0,) * groups, -1, g): (start, np.zeros(nb + 1, dtype=np.int64)) for g in range(groups)}
     cache: dict = {}
+    grid = [_grid(c) for c in counts]
     for s in range(stages):
         if deadline is not None and deadline.passed():
             return None
@@ -118,7 +120,7 @@ def solve_dp(
                         cand[:, :nb] = np.inf
                     arg = np.argmin(cand, axis=0)
                     value = cand[arg, np.arange(nb + 1)]
-                    key = (tuple(u + (r if h == g else 0) for h, u in enumerate(used)), g, gn)
+                    key = (_using(used, g, r, grid[g], total - (stages - s - 1)), g, gn)
                     entry = nxt.get(key)
                     if entry is None:
                         nxt[key] = (value, arg, [(used, gp, r)] * (nb + 1))
@@ -134,6 +136,23 @@ def solve_dp(
     if not finals:
         return None
     return _backtrack(problem, blocks, table, prefix, cache, layers, min(finals)[1], flights, recompute)
+
+
+def _grid(count: int) -> list[int]:
+    """Per device count u of a group: the least replica choice at or above it (u itself up to `EXACT_REPLICAS` devices)."""
+    choices = replica_choices(count, count)
+    return [choices[bisect.bisect_left(choices, u)] if u else 0 for u in range(count + 1)]
+
+
+def _using(used: tuple[int, ...], g: int, r: int, grid: list[int], most: int) -> tuple[int, ...]:
+    """Devices used per group once a stage takes r of group g: on a group of over `EXACT_REPLICAS` devices, rounded up to a
+    replica choice (`_grid`) while that leaves each later stage a device (`most` in all). Sums of its choices (8 + 7,
+    8 + 7 + 8, ...) gave the DP a state per device count: transformer-tiny at 4 stages on 1,000 devices took 75,000 stage
+    choices, 2.2 s. A plan so found uses fewer devices than its state counts, so it holds."""
+    exact = used[g] + r
+    rounded = grid[exact]
+    taken = rounded if sum(used) + r - exact + rounded <= most else exact
+    return used[:g] + (taken,) + used[g + 1:]
 
 
 def _replica_counts(counts: tuple[int, ...], used: tuple[int, ...], g: int, spare: int, replicas: bool, in_order: bool) -> tuple[int, ...]:
