@@ -186,8 +186,8 @@ def solve(
     searched = proof.status in ("OPTIMAL", "FEASIBLE", "UNKNOWN")  # INFEASIBLE under a plan's own ceiling: that plan was not expressible
     on_blocks = max(min(proof.bound_seconds, least.bottleneck_seconds), bound.seconds) if searched else bound.seconds
     status = "OPTIMAL" if proof.status == "OPTIMAL" and objective <= on_blocks + tolerance else "FEASIBLE"
-    # A bound over blocks holds for every plan only when blocks are nodes and every replica count was open to CP-SAT (a group
-    # of 1,000 devices offers multiples of 32: its bound then said 0.106 ms where a plan of 8, 7, 8 and 9 replicas makes 0.064).
+    # A bound over blocks holds for every plan only when blocks are nodes and every replica count was open to CP-SAT (a large
+    # group offers some: offered multiples of 32 of 1,000 devices, it said 0.106 ms where 8, 7, 8 and 9 replicas make 0.064).
     proven = on_blocks if nodes.count == problem.n and not restricted else bound.seconds
     info = SolveInfo(
         status=status,
