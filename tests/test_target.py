@@ -280,16 +280,39 @@ def test_transfer_and_allreduce(tmp_path: Path) -> None:
     assert allreduce_seconds(target, ("g_0",), 1e9) == 0.0
 
 
-@pytest.mark.parametrize("name", ["hetero", "cpu4", "gpu4"])
-def test_rings_found_in_one_pass_price_each_all_reduce_as_it_alone(name: str) -> None:
+TRIANGLE = """\
+name = "triangle"
+description = "three devices: a-b and b-c fast, c-a slow"
+""" + "".join(f"""
+[[devices]]
+name = "{g}"
+kind = "gpu"
+count = 1
+memory = "16 GiB"
+memory_bandwidth = "1000 GB/s"
+op_overhead = 0
+peak_flops = {{ float32 = "10 TFLOP/s" }}
+efficiency = {{ default = 1.0 }}
+""" for g in "abc") + "".join(f"""
+[[links]]
+between = ["{x}", "{y}"]
+bandwidth = "{bandwidth}"
+latency = "{latency}"
+topology = "pcie"
+""" for x, y, bandwidth, latency in (("a", "b", "50 GB/s", "10 us"), ("b", "c", "50 GB/s", "10 us"), ("a", "c", "1 GB/s", "100 us")))
+
+
+@pytest.mark.parametrize("name", ["hetero", "cpu4", "gpu4", "triangle"])
+def test_rings_found_in_one_pass_price_each_all_reduce_as_it_alone(name: str, tmp_path: Path) -> None:
     """`rings` gives each prefix of a device list its ring's slowest link in one pass; priced by `ring_seconds`, every prefix's
-    all-reduce is the one `allreduce_seconds` finds link by link (in reverse target order: on hetero, the U280s first)."""
-    target = load_target(name)
-    devices = tuple(d.name for d in reversed(target.devices))
-    found = rings(target, devices)
-    assert len(found) == len(devices) - 1
-    for n, (latency, bandwidth) in enumerate(found, start=2):
-        assert ring_seconds(n, latency, bandwidth, 3e7) == allreduce_seconds(target, devices[:n], 3e7)
+    all-reduce is the one `allreduce_seconds` finds link by link, in target order and reversed (on the triangle, the ring
+    over a, b and c is slow only on its closing link, c to a)."""
+    target = load_target(write(tmp_path, TRIANGLE) if name == "triangle" else name)
+    for devices in (tuple(d.name for d in target.devices), tuple(d.name for d in reversed(target.devices))):
+        found = rings(target, devices)
+        assert len(found) == len(devices) - 1
+        for n, (latency, bandwidth) in enumerate(found, start=2):
+            assert ring_seconds(n, latency, bandwidth, 3e7) == allreduce_seconds(target, devices[:n], 3e7)
 
 
 def test_heterogeneous_link_lookup() -> None:
