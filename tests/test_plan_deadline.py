@@ -201,7 +201,7 @@ def test_the_dp_rounds_devices_used_up_only_while_every_later_stage_keeps_one(tr
 
 @pytest.mark.parametrize("count", [100, 1000])
 def test_large_targets_are_planned_by_device_group(count: int, transformer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """100 and 1,000 interchangeable devices: stages take replica counts from `replica_choices` (about 32 per
+    """100 and 1,000 interchangeable devices: stages take replica counts from `replica_choices` (at most 33 per
     group, not one per device), the stage counts priced follow a ladder, and the plan is valid and above the bound."""
     graph, costs = transformer
     target = cluster(count, tmp_path)

@@ -71,7 +71,7 @@ Why it is valid:
    node takes time on the group (as for the all-reduce, 3): they fit, and the walk's stage may reach as far. Where
    memory keeps the fastest group from taking everything, the bisection starts from a time some walk fits in (none: 0).
 7. A group of more than `EXACT_REPLICAS` devices (1,000 accelerators) would give the DP a state per device count and a
-   step per replica count: over a minute per stage count. There a stage's replica count r is known only within a
+   step per replica count. There a stage's replica count r is known only within a
    RUNG [lo, hi] (every count up to `EXACT_REPLICAS` its own; beyond, hi / lo at most 1 + 1 / `_RUNG`): the stage
    uses lo devices, divides its work and messages by hi and pays the least all-reduce of any count in the rung, and
    the devices used are rounded down to a rung's lo. Each step only lowers what a real r charges or uses, so the walk
