@@ -438,6 +438,33 @@ def test_the_messages_it_charges_never_lift_it_above_brute_force(data: st.DataOb
     assert chain_bound(problem, stages) <= optimum(problem, stages) * (1 + 1e-9)
 
 
+def chains_model(parts: int, length: int) -> onnx.ModelProto:
+    """`parts` independent chains of `length` nodes each: that many connected parts."""
+    nodes = [helper.make_node("Relu", [f"x{c}" if i == 0 else f"t{c}_{i - 1}"], [f"t{c}_{i}"], name=f"n{c}_{i}")
+             for c in range(parts) for i in range(length)]
+    graph = helper.make_graph(nodes, "chains", [helper.make_tensor_value_info(f"x{c}", TensorProto.FLOAT, [2, 4]) for c in range(parts)],
+                              [helper.make_tensor_value_info(f"t{c}_{length - 1}", TensorProto.FLOAT, [2, 4]) for c in range(parts)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+@pytest.mark.parametrize("parts, length, stages, latencies", [(1, 4, 2, 1), (1, 4, 3, 2), (2, 2, 2, 0), (2, 2, 3, 1), (2, 2, 4, 1),
+                                                              (2, 3, 5, 2), (3, 1, 3, 0)])
+def test_stages_beyond_the_graphs_parts_pay_link_latencies(parts: int, length: int, stages: int, latencies: int, mode: str) -> None:
+    """Where a link's latency dwarfs the work, the bound counts the latencies some stage must pay: none while each part
+    can have stages of its own, one once two stages share a part, two once three do; never above brute force, and within
+    the work of the optimum where latencies are all it pays."""
+    graph = load(chains_model(parts, length))
+    problem = build_problem(graph, mixed_costs(graph, [1e3] * (parts * length)), one_group_target(stages, 1e-3, 1e12),
+                            batch=graph.batch * 2, microbatches=2, mode=mode)
+    assert problem.parts == parts
+    bound = lower_bound(problem, stages)
+    assert bound.message_seconds == pytest.approx(latencies * 1e-3)
+    best = optimum(problem, stages)
+    assert bound.seconds <= best * (1 + 1e-9)
+    assert best - bound.seconds <= 1e-4  # the work and bytes, not a latency more: the bound is tight
+
+
 def _exact_rungs(most: int) -> list[tuple[int, int]]:
     return [(r, r) for r in range(1, most + 1)]
 

@@ -261,9 +261,8 @@ class _Chain:
             if (work[g] > 0).all() and self.m > 1 else None
             for g in groups
         ]
-        links = [float(latency[g, h]) for g in groups for h in groups if ok[g][h]]
         #: Least latency of any message, for stages replicated over several groups.
-        self.lat_any = min(links, default=0.0)
+        self.lat_any = problem.least_latency
         #: Per group: its rungs of replica counts (lo, hi), and each device count rounded down to a rung's lo (module docstring, 7).
         self.rungs = [_rungs(most) for most in self.most]
         self.floor = [[0, *(lo for lo, hi in _rungs(count) for _ in range(lo, hi + 1))] for count in self.counts]

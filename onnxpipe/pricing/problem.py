@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+import networkx as nx
 import numpy as np
 
 from onnxpipe import schedule as schedules
@@ -149,6 +150,23 @@ class Problem:
     @property
     def device_count(self) -> int:
         return sum(len(d) for d in self.group_devices)
+
+    @property
+    def least_latency(self) -> float:
+        """The least latency a message between two stages can pay: over the links between groups, a group's own only
+        where it has two devices (stages hold devices of their own)."""
+        counts = [len(d) for d in self.group_devices]
+        links = [float(self.latency[g, h]) for g in range(len(counts)) for h in range(len(counts)) if counts[h] >= (2 if h == g else 1)]
+        return min(links, default=0.0)
+
+    @cached_property
+    def parts(self) -> int:
+        """Weakly connected parts of the compute nodes, joined by the tensors between them: stages holding nodes of one
+        part exchange messages."""
+        joined = nx.Graph()
+        joined.add_nodes_from(range(self.n))
+        joined.add_edges_from((int(p), int(c)) for p, cs in zip(self.tensor_producer, self.tensor_consumers) if p >= 0 for c in cs)
+        return nx.number_connected_components(joined)
 
     @property
     def optimizer_states(self) -> float:
