@@ -196,13 +196,17 @@ def test_served_on_1000_devices_the_bound_counts_the_latencies_some_stage_pays(s
                                                                                tmp_path: Path) -> None:
     """Forward only over hundreds of replicas, a stage's work is a sliver, and the chain bound's walk leaves stages
     empty: at 4 stages it was the work over 997 devices, 1/54 of the plan's bottleneck. A plan's stages each hold a
-    node, so some stage pays a link's latency (10 us; two from 3 stages on), and the plan is within 5% of that."""
+    node, so some stage pays a link's latency (10 us; two from 3 stages on), and the plan is within 5% of that; offered some
+    replica counts only, the solver says OPTIMAL only where the plan meets that bound."""
     graph, costs = transformer
     target = cluster(1000, tmp_path)
     p = plan(graph, costs, target, stages=stages, microbatches=8, mode="inference", deadline=Deadline(400, Ticks()))
     _assert_valid(graph, costs, target, p)
     assert p.lower_bound_seconds == pytest.approx(latencies * 10e-6)
     assert p.lower_bound_seconds <= p.bottleneck_seconds <= 1.05 * p.lower_bound_seconds
+    # Offered some replica counts only, CP-SAT proves nothing for every plan: OPTIMAL only where the plan meets the bound
+    # (within its whole nanoseconds; at 2 stages it is 3.6% above it).
+    assert p.solver.status == "FEASIBLE" or p.bottleneck_seconds <= p.solver.bound_seconds * 1.01
     problem = build_problem(graph, costs, target, batch=p.batch, microbatches=8, mode="inference")
     assert chain_bound(problem, stages) < p.lower_bound_seconds / 10
 

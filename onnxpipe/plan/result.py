@@ -69,7 +69,8 @@ class SolveInfo:
     then refined around the plan's cuts; what CP-SAT proves over blocks holds only for plans made of them."""
 
     #: "OPTIMAL" (no plan made of the `blocks` coarse blocks beats this one: every plan when `blocks` is
-    #: the node count; a refined plan may beat the best of them), "FEASIBLE" (CP-SAT proved no such thing),
+    #: the node count; a refined plan may beat the best of them; where a group of over 32 devices is offered some
+    #: replica counts only, it meets `bound_seconds`), "FEASIBLE" (CP-SAT proved no such thing),
     #: or the name of the method for baselines ("dp", "uniform", ...).
     status: str
     #: A lower bound on the bottleneck (seconds per micro-batch) of every plan of this configuration,

@@ -7,7 +7,8 @@ uncoarsened graph's first one too) runs beside questions below its plan that rai
 ranks by it), never worse than a baseline.
 
 What the plan's `SolveInfo` claims: `status` is CP-SAT's verdict over the blocks it searched last ("OPTIMAL":
-no plan made of them beats the plan; refined plans only improve on it); `bound_seconds` holds for every plan,
+no plan made of them beats the plan; refined plans only improve on it; where a large group offered some replica counts
+only, the plan also meets the bound below); `bound_seconds` holds for every plan,
 whatever its cuts (CP-SAT's proven bound, raised by the questions, only when it searched single nodes and every replica
 count: nothing was coarsened, or `_prove` ran; the first-principles bound otherwise), and `gap` is measured against it;
 `least_bottleneck_seconds` is the least bottleneck found, which a plan ranked by iteration time may exceed.
@@ -185,10 +186,12 @@ def solve(
     tolerance = 1e-9 * (nodes.count + len(nodes.nbytes) + 4)
     searched = proof.status in ("OPTIMAL", "FEASIBLE", "UNKNOWN")  # INFEASIBLE under a plan's own ceiling: that plan was not expressible
     on_blocks = max(min(proof.bound_seconds, least.bottleneck_seconds), bound.seconds) if searched else bound.seconds
-    status = "OPTIMAL" if proof.status == "OPTIMAL" and objective <= on_blocks + tolerance else "FEASIBLE"
     # A bound over blocks holds for every plan only when blocks are nodes and every replica count was open to CP-SAT (a large
     # group offers some: offered multiples of 32 of 1,000 devices, it said 0.106 ms where 8, 7, 8 and 9 replicas make 0.064).
     proven = on_blocks if nodes.count == problem.n and not restricted else bound.seconds
+    # Likewise its verdict: over some replica counts, OPTIMAL only where the plan meets the bound that holds for every plan
+    # (transformer-tiny served at 2 stages on 1,000 devices said OPTIMAL node by node 3.6% above it).
+    status = "OPTIMAL" if proof.status == "OPTIMAL" and objective <= (proven if restricted else on_blocks) + tolerance else "FEASIBLE"
     info = SolveInfo(
         status=status,
         bound_seconds=proven,
