@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from onnxpipe.errors import OnnxpipeError
 from onnxpipe.startup import interrupts_raise
-from onnxpipe.units import plural
+from onnxpipe.units import format_ms, plural
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cut ONNX models into balanced pipeline stages and train them as a pipeline.")
 #: Tables keep their columns when output goes to a file or pipe (rich would assume 80 columns).
@@ -404,13 +404,12 @@ def calibrate(
             raise OnnxpipeError(f"{model}: no measured times in it; annotate it with --times FILE or --profile and -o first")
         measured += units(Path(model).stem, costs)
     result = fit(measured, base, group)
-    ms = 1e3
     for title, rows in (("per block", result.blocks), ("per op class", result.classes)):
         table = Table(title=f"fit {title} (forward + backward)")
         for column in ("name", "measured ms", "before ms", "after ms", "after / measured"):
             table.add_column(column, justify="left" if column == "name" else "right", no_wrap=True)
         for r in rows:
-            table.add_row(escape(r.name), f"{r.measured * ms:.3f}", f"{r.before * ms:.3f}", f"{r.after * ms:.3f}", f"{r.after / r.measured:.2f}" if r.measured else "-")
+            table.add_row(escape(r.name), format_ms(r.measured), format_ms(r.before), format_ms(r.after), f"{r.after / r.measured:.2f}" if r.measured else "-")
         console.print(table)
     console.print("fitted: " + ", ".join(f"{k} = {v:.4g}" for k, v in result.parameters.items()), highlight=False)
     console.print(f"fit error (weighted RMS of log predicted/measured): {result.error_before:.3f} -> {result.error_after:.3f}", highlight=False)
@@ -504,9 +503,9 @@ def split(
 
     table = Table(title=f"{plural(len(manifest.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}")
     for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
-        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
     for s in manifest.stages:
-        table.add_row(str(s.index), escape(", ".join(s.devices)), str(s.nodes), format_bytes(s.parameter_bytes), str(len(s.inputs)),
+        table.add_row(str(s.index), escape(_devices(s.devices)), str(s.nodes), format_bytes(s.parameter_bytes), str(len(s.inputs)),
                       str(len(s.outputs)), format_bytes(s.file_bytes))
     console.print(table)
     _print_plan_quality(plan)
@@ -589,8 +588,8 @@ def run(
     outputs, m = streamed.outputs, streamed.metrics
     print_batch(binding, (binding.microbatch or 1) * count, count)
     over = f" (median of {plural(repeat - 1, 'pass')} after a warm-up)" if repeat > 1 else " (one pass, warm-up included: --repeat 3 for steady figures)"
-    console.print(f"measured: {m['samples_per_s']:.4g} samples/s, pass {m['iteration_seconds'] * 1e3:.3f} ms, latency "
-                  f"{m['latency_seconds'] * 1e3:.3f} ms per micro-batch (first stage in to last stage out), bubble {m['bubble_fraction']:.1%}{over}",
+    console.print(f"measured: {m['samples_per_s']:.4g} samples/s, pass {format_ms(m['iteration_seconds'])} ms, latency "
+                  f"{format_ms(m['latency_seconds'])} ms per micro-batch (first stage in to last stage out), bubble {m['bubble_fraction']:.1%}{over}",
                   highlight=False, soft_wrap=True)
     write_npz(outputs, output)
     console.print(f"wrote {escape(output)} ({', '.join(escape(n) for n in outputs)})", highlight=False)
@@ -602,6 +601,15 @@ def run(
 # --- plan --------------------------------------------------------------------
 
 
+#: A stage table lists a stage's devices up to this many; a wider stage shows its first and last and their count.
+_LISTED = 4
+
+
+def _devices(names: Sequence[str]) -> str:
+    """A stage's devices in a table cell: every name of a stage of 249 replicas squeezed the table's other columns out."""
+    return ", ".join(names) if len(names) <= _LISTED else f"{names[0]} ... {names[-1]} ({len(names)})"
+
+
 def _print_chosen_mode(plan: Any) -> None:
     """Say that a model without a loss was planned for inference, as no --mode was given."""
     if plan.mode == "inference":
@@ -611,25 +619,24 @@ def _print_chosen_mode(plan: Any) -> None:
 
 def _print_plan_quality(plan: Any) -> None:
     """Bottleneck, lower bound and solver status: how good a plan provably is."""
-    ms = 1e3
     info = plan.solver
-    console.print(f"bottleneck: stage {plan.bottleneck_stage}, {plan.bottleneck_seconds * ms:.3f} ms per micro-batch; "
-                  f"iteration {plan.iteration_seconds * ms:.3f} ms ({plural(plan.batch, 'sample')}, {plural(plan.microbatches, 'micro-batch')}"
+    console.print(f"bottleneck: stage {plan.bottleneck_stage}, {format_ms(plan.bottleneck_seconds)} ms per micro-batch; "
+                  f"iteration {format_ms(plan.iteration_seconds)} ms ({plural(plan.batch, 'sample')}, {plural(plan.microbatches, 'micro-batch')}"
                   f"{', ' + plan.schedule if plan.mode == 'training' else ''})",
                   highlight=False)
     if plan.mode == "inference":
         console.print(f"inference (forward only): {plan.batch / plan.iteration_seconds:.4g} samples/s, "
-                      f"latency {plan.latency_seconds * ms:.3f} ms per micro-batch", highlight=False)
-    console.print(f"lower bound: {plan.lower_bound_seconds * ms:.3f} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
+                      f"latency {format_ms(plan.latency_seconds)} ms per micro-batch", highlight=False)
+    console.print(f"lower bound: {format_ms(plan.lower_bound_seconds)} ms (bottleneck / bound = {plan.bottleneck_seconds / plan.lower_bound_seconds:.3f})",
                   highlight=False)
     nodes = sum(len(s.nodes) for s in plan.stages)
     over = ("node by node" if info.blocks >= nodes else
             f"over {plural(info.blocks, 'block')} (rounding cuts to them may cost up to {info.coarsening_loss:.2%}; then refined node by node)")
-    console.print(f"solver: {info.status} {over}, bound {info.bound_seconds * ms:.3f} ms, gap {info.gap:.2%}, "
+    console.print(f"solver: {info.status} {over}, bound {format_ms(info.bound_seconds)} ms, gap {info.gap:.2%}, "
                   f"{info.solve_seconds:.2f} s", highlight=False)
     least = info.least_bottleneck_seconds
     if 0 < least < plan.bottleneck_seconds * (1 - 1e-9):
-        console.print(f"least bottleneck found: {least * ms:.3f} ms (gap {max(0.0, least - info.bound_seconds) / least:.2%}); this plan's is "
+        console.print(f"least bottleneck found: {format_ms(least)} ms (gap {max(0.0, least - info.bound_seconds) / least:.2%}); this plan's is "
                       f"{plan.bottleneck_seconds / least - 1:.2%} more, taken for its shorter predicted iteration", highlight=False)
     for note in plan.notes:
         console.print(f"note: {escape(note)}", highlight=False)
@@ -694,11 +701,11 @@ def plan_command(
     table = Table(title=f"{plural(len(plan.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plural(plan.microbatches, 'micro-batch')}, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
     for column in ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"):
-        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
     for s in plan.stages:
         mem = s.memory
-        table.add_row(str(s.index), escape(", ".join(s.devices)), str(len(s.nodes)), f"{s.forward_seconds * ms:.3f}", f"{s.backward_seconds * ms:.3f}",
-                      f"{(s.comm_in_seconds + s.comm_out_seconds) * ms:.3f}", format_bytes(mem.parameters + mem.gradients + mem.optimizer),
+        table.add_row(str(s.index), escape(_devices(s.devices)), str(len(s.nodes)), format_ms(s.forward_seconds), format_ms(s.backward_seconds),
+                      format_ms(s.comm_in_seconds + s.comm_out_seconds), format_bytes(mem.parameters + mem.gradients + mem.optimizer),
                       format_bytes(mem.activations), f"{format_bytes(mem.total)} / {format_bytes(mem.capacity)}", "yes" if s.recompute else "no")
     console.print(table)
     _print_plan_quality(plan)
@@ -717,7 +724,7 @@ def plan_command(
             side.add_column(column, justify="left" if column == "plan" else "right")
         for name, p in {"onnxpipe": plan, **others}.items():
             peak = max(s.memory.total for s in p.stages)
-            side.add_row(name, str(len(p.stages)), f"{p.iteration_seconds * ms:.3f}", f"{p.bottleneck_seconds * ms:.3f}", format_bytes(peak),
+            side.add_row(name, str(len(p.stages)), format_ms(p.iteration_seconds), format_ms(p.bottleneck_seconds), format_bytes(peak),
                          "yes" if fits(p) else "[red]no[/]", f"{p.iteration_seconds / plan.iteration_seconds:.2f}x")
         console.print(side)
     if compare:
@@ -725,7 +732,7 @@ def plan_command(
         faster = faster_stage_count(graph, costs, tgt, plan, recompute, max_latency=bound, deadline=deadline) if stages is not None else None
         if faster is not None:
             count = plural(len(faster.stages), "stage")
-            console.print(f"note: {count} would be faster (iteration {faster.iteration_seconds * ms:.3f} ms vs {plan.iteration_seconds * ms:.3f} ms); "
+            console.print(f"note: {count} would be faster (iteration {format_ms(faster.iteration_seconds)} ms vs {format_ms(plan.iteration_seconds)} ms); "
                           "drop --stages to let the planner choose", highlight=False)
     if output:
         plan.save(output)
@@ -884,18 +891,17 @@ def simulate_command(
     binding, total, m = plan_binding(_readable(plan.model), plan.dims, plan.batch, plan.microbatches, parse_dims(dim), batch, microbatches)
     sim = simulate_plan(plan, plan_target(plan, target).for_backend(backend), schedule=schedule, microbatches=m, batch=total)
     print_batch(binding, total, m)
-    ms = 1e3
     table = Table(title=f"{plural(len(plan.stages), 'stage')}, {sim.schedule}")
     for column in ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"):
-        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
     for s, devices in enumerate(sim.devices):
         busy = sim.busy_seconds[s]
-        table.add_row(str(s), escape(", ".join(devices)), f"{busy * ms:.3f}", f"{(sim.iteration_seconds - busy) * ms:.3f}",
+        table.add_row(str(s), escape(_devices(devices)), format_ms(busy), format_ms(sim.iteration_seconds - busy),
                       f"{busy / sim.iteration_seconds:.0%}", f"{format_bytes(sim.peak_memory_bytes[s])} / {format_bytes(sim.capacity_bytes[s])}")
     console.print(table)
-    latency = f", latency {sim.latency_seconds * ms:.3f} ms per micro-batch" if plan.mode == "inference" else ""
-    console.print(f"iteration {sim.iteration_seconds * ms:.3f} ms, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%}{latency} "
-                  f"(planner's estimate {plan.iteration_seconds * ms:.3f} ms)", highlight=False)
+    latency = f", latency {format_ms(sim.latency_seconds)} ms per micro-batch" if plan.mode == "inference" else ""
+    console.print(f"iteration {format_ms(sim.iteration_seconds)} ms, {sim.samples_per_s:.4g} samples/s, bubble {sim.bubble_fraction:.1%}{latency} "
+                  f"(planner's estimate {format_ms(plan.iteration_seconds)} ms)", highlight=False)
     if len(sim.devices) <= 8 and sim.microbatches <= 8:
         console.print(escape(schedules.render(schedule_table(plan.mode, sim.schedule, len(sim.devices), sim.microbatches))), highlight=False)
     if json_path:

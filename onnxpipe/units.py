@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Mapping
 
-__all__ = ["UNITS", "UnitError", "parse_quantity", "format_bytes", "format_rate", "format_flops", "format_seconds", "plural"]
+__all__ = ["UNITS", "UnitError", "parse_quantity", "format_bytes", "format_rate", "format_flops", "format_seconds", "format_ms", "plural"]
 
 #: Unit name -> factor to the base unit (B, B/s, FLOP/s, s), per kind of quantity.
 UNITS: Mapping[str, Mapping[str, float]] = {
@@ -76,6 +76,15 @@ def format_flops(rate: float, dtype: str = "float32") -> str:
 def format_seconds(seconds: float) -> str:
     """Duration, e.g. "5 us"."""
     return _scaled(seconds, ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")))
+
+
+def format_ms(seconds: float) -> str:
+    """Seconds as milliseconds, the unit left to the caller's text: three decimals, and three significant digits below
+    0.1 ms, so that a plan served on a thousand devices does not read 0.000 (0.37 us prints "0.000370")."""
+    ms = seconds * 1e3
+    if ms == 0 or not math.isfinite(ms) or abs(ms) >= 0.1:
+        return f"{ms:.3f}"
+    return f"{ms:.{min(12, 2 - math.floor(math.log10(abs(ms))))}f}"
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:

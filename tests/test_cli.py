@@ -116,6 +116,21 @@ def test_plan_compare_at_one_stage_says_there_is_nothing_to_compare(work: Path) 
     assert "note: 2 stages would be faster" in out or "would be faster" not in out
 
 
+def test_plan_on_many_devices_shows_a_wide_stage_briefly_and_small_times_in_three_digits(work: Path) -> None:
+    """A stage of many replicas shows its first and last devices and their count (every name squeezed the table's other
+    columns out on 1,000 devices), and times under 0.1 ms keep three significant digits (they read 0.000 ms)."""
+    from onnxpipe.target import load_target
+
+    target = work / "fpga64.toml"
+    target.write_text(re.sub(r"(?m)^count = \d+", "count = 64", Path(load_target("fpga4").source).read_text()))
+    out = ok("plan", "mlp.onnx", "-t", str(target), "--stages", "1", "--time-limit", "5", cwd=work)
+    row = re.search(r"│\s*0 │ u280_0 \.\.\. u280_(\d+)\s*│\s*7\s*│\s*([\d.]+)\s*│", out)  # the count wraps to the next line
+    assert row and int(row.group(1)) >= 4 and len(row.group(2).lstrip("0.")) >= 3, out
+    assert f"({int(row.group(1)) + 1})" in out
+    bottleneck = re.search(r"bottleneck: stage 0, ([\d.]+) ms per micro-batch", out)
+    assert bottleneck and len(bottleneck.group(1).lstrip("0.")) >= 3, out
+
+
 def test_split_verify_run(work: Path) -> None:
     out = ok("split", "mlp.onnx", "--plan", "plan.json", "-o", "stages", cwd=work)
     assert "2 stages of mlp.onnx" in out and "wrote stages/ (stage_*.onnx, manifest.json, plan.json)" in out

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from onnxpipe.units import format_bytes, format_flops, format_rate, format_seconds, plural
+from onnxpipe.units import format_bytes, format_flops, format_ms, format_rate, format_seconds, plural
 
 BINARY = [("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30), ("TiB", 2.0**40)]
 FORMATTERS = {
@@ -59,3 +59,15 @@ def test_plural() -> None:
     assert [plural(1, "stage"), plural(2, "stage"), plural(0, "stage")] == ["1 stage", "2 stages", "0 stages"]
     assert [plural(1, "micro-batch"), plural(4, "micro-batch")] == ["1 micro-batch", "4 micro-batches"]
     assert plural(3, "copy", "copies") == "3 copies"
+
+
+def test_milliseconds_keep_three_digits_however_small() -> None:
+    """The CLI's milliseconds: three decimals, and three significant digits below 0.1 ms (a plan served on a thousand
+    devices read 0.000 ms where its bottleneck was 0.37 us); plain decimals throughout, as its lines are parsed."""
+    assert [format_ms(s) for s in (81.5e-3, 0.648e-3, 0.1e-3, 0.0)] == ["81.500", "0.648", "0.100", "0.000"]
+    assert [format_ms(s) for s in (0.0999e-3, 20.07e-6, 0.37e-6, 1.5e-12)] == ["0.0999", "0.0201", "0.000370", "0.00000000150"]
+    for exponent in range(-90, 30):
+        value = 10 ** (exponent / 10) * 1e-3
+        text = format_ms(value)
+        assert re.fullmatch(r"\d+\.\d+", text), text
+        assert math.isclose(float(text), value * 1e3, rel_tol=5e-3), text
