@@ -502,8 +502,7 @@ def split(
         _print_chosen_mode(plan)
 
     table = Table(title=f"{plural(len(manifest.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}")
-    for column in ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"):
-        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
+    _stage_columns(table, ("stage", "device(s)", "nodes", "params", "inputs", "outputs", "file size"))
     for s in manifest.stages:
         table.add_row(str(s.index), escape(_devices(s.devices)), str(s.nodes), format_bytes(s.parameter_bytes), str(len(s.inputs)),
                       str(len(s.outputs)), format_bytes(s.file_bytes))
@@ -605,8 +604,14 @@ def run(
 _LISTED = 4
 
 
+def _stage_columns(table: Any, columns: Sequence[str]) -> None:
+    """A stage table's columns: figures right-aligned on one line; the devices left-aligned, wrapping where the table is wide."""
+    for column in columns:
+        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
+
+
 def _devices(names: Sequence[str]) -> str:
-    """A stage's devices in a table cell: every name of a stage of 249 replicas squeezed the table's other columns out."""
+    """A stage's devices in a table cell: every name of a stage of 982 replicas squeezed the table's other columns out."""
     return ", ".join(names) if len(names) <= _LISTED else f"{names[0]} ... {names[-1]} ({len(names)})"
 
 
@@ -700,8 +705,7 @@ def plan_command(
     ms = 1e3
     table = Table(title=f"{plural(len(plan.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plural(plan.microbatches, 'micro-batch')}, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
-    for column in ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"):
-        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
+    _stage_columns(table, ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"))
     for s in plan.stages:
         mem = s.memory
         table.add_row(str(s.index), escape(_devices(s.devices)), str(len(s.nodes)), format_ms(s.forward_seconds), format_ms(s.backward_seconds),
@@ -892,8 +896,7 @@ def simulate_command(
     sim = simulate_plan(plan, plan_target(plan, target).for_backend(backend), schedule=schedule, microbatches=m, batch=total)
     print_batch(binding, total, m)
     table = Table(title=f"{plural(len(plan.stages), 'stage')}, {sim.schedule}")
-    for column in ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"):
-        table.add_column(column, justify="left" if column == "device(s)" else "right", no_wrap=column != "device(s)")
+    _stage_columns(table, ("stage", "device(s)", "busy ms", "idle ms", "busy", "peak memory / capacity"))
     for s, devices in enumerate(sim.devices):
         busy = sim.busy_seconds[s]
         table.add_row(str(s), escape(_devices(devices)), format_ms(busy), format_ms(sim.iteration_seconds - busy),
