@@ -250,7 +250,7 @@ class _Chain:
         #: the segment's nodes, most work on h per work on g first.
         self.knapsack = {(g, h): _knapsacks(of, work[g], work[h], self.m) for g in groups for h in groups if g != h}
         latency = problem.latency
-        ok = [[self.counts[h] >= (2 if h == g else 1) for h in groups] for g in groups]
+        ok = problem.stage_links
         self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
         self.lat_out = [min((float(latency[g, h]) for h in groups if ok[g][h]), default=0.0) for g in groups]
         cuts = _cuts_of(problem, segs)

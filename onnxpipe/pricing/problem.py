@@ -152,12 +152,17 @@ class Problem:
         return sum(len(d) for d in self.group_devices)
 
     @property
-    def least_latency(self) -> float:
-        """The least latency a message between two stages can pay: over the links between groups, a group's own only
-        where it has two devices (stages hold devices of their own)."""
+    def stage_links(self) -> list[list[bool]]:
+        """stage_links[g][h]: a stage on group g can exchange messages with another on group h, two distinct devices: a
+        group's own link only where it has two devices (stages hold devices of their own)."""
         counts = [len(d) for d in self.group_devices]
-        links = [float(self.latency[g, h]) for g in range(len(counts)) for h in range(len(counts)) if counts[h] >= (2 if h == g else 1)]
-        return min(links, default=0.0)
+        return [[counts[h] >= (2 if h == g else 1) for h in range(len(counts))] for g in range(len(counts))]
+
+    @property
+    def least_latency(self) -> float:
+        """The least latency a message between two stages can pay, over the `stage_links`."""
+        links = self.stage_links
+        return min((float(self.latency[g, h]) for g, row in enumerate(links) for h, ok in enumerate(row) if ok), default=0.0)
 
     @cached_property
     def parts(self) -> int:
