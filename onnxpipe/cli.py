@@ -702,7 +702,6 @@ def plan_command(
         _print_chosen_mode(plan)
     if plan.mode == "training":  # an inference plan needs no gradient
         _warn_missing_gradients(graph)
-    ms = 1e3
     table = Table(title=f"{plural(len(plan.stages), 'stage')} of {escape(graph.source)} on {escape(plan.target)}: batch {plan.batch}, "
                         f"{plural(plan.microbatches, 'micro-batch')}, " + (f"{plan.schedule}, {plan.optimizer}" if plan.mode == "training" else "inference"))
     _stage_columns(table, ("stage", "device(s)", "nodes", "fwd ms", "bwd ms", "comm ms", "params+grads+opt", "activations", "used / capacity", "recompute"))
@@ -715,7 +714,7 @@ def plan_command(
     _print_plan_quality(plan)
     if plan.explored:
         best = [c for c in plan.explored if c.feasible][:5]
-        console.print("explored: " + "; ".join(f"{c.schedule} m={c.microbatches} k={c.stages} r={c.replicas}: {c.iteration_seconds * ms:.2f} ms"
+        console.print("explored: " + "; ".join(f"{c.schedule} m={c.microbatches} k={c.stages} r={c.replicas}: {c.iteration_seconds * 1e3:.2f} ms"
                                                for c in best) + f" ({plural(len(plan.explored), 'candidate')} tried)", highlight=False)
     if compare and len(plan.stages) == 1:  # every baseline cuts stages: at one there is no cut to compare
         devices = plural(len(plan.stages[0].devices), "device")
