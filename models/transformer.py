@@ -125,13 +125,24 @@ def _decoder(d: _Dims, name: str, train: bool, seed: int, init_scale: float | No
     return _finish(b, _tied_logits(b, h, table, d), d, train)
 
 
-def _encoder(d: _Dims, name: str, train: bool, seed: int, init_scale: float | None) -> onnx.ModelProto:
+def _padding_mask(b: GraphBuilder, d: _Dims) -> str:
+    """[B, 1, 1, S] additive mask from an `attention_mask` input [B, S] of ones (attend) and zeros (padding), as
+    transformers' encoders build it: Cast, 1 - m, times the masked score, Reshape. It depends on the input alone."""
+    keep = b.input("attention_mask", (d.batch, d.seq), TensorProto.INT64)
+    with b.scope("padding_mask"):
+        dropped = b.op("Sub", [b.const(np.float32(1.0)), b.op("Cast", [keep], to=TensorProto.FLOAT)])
+        scaled = b.op("Mul", [dropped, b.const(np.float32(_MASKED))])
+        return b.op("Reshape", [scaled, b.const([d.batch, 1, 1, d.seq])])
+
+
+def _encoder(d: _Dims, name: str, train: bool, seed: int, init_scale: float | None, padding_mask: bool = False) -> onnx.ModelProto:
     b = GraphBuilder(name, seed, init_scale)
     h, table = _embed(b, d)
+    mask = _padding_mask(b, d) if padding_mask else None
     h = b.layer_norm(h, d.d_model, "embed_ln")
     for i in range(d.layers):
         with b.scope(f"layer{i}"):
-            h = b.layer_norm(b.op("Add", [h, _attention(b, h, d, None)], name="residual_attn"), d.d_model, "ln_attn")
+            h = b.layer_norm(b.op("Add", [h, _attention(b, h, d, mask)], name="residual_attn"), d.d_model, "ln_attn")
             h = b.layer_norm(b.op("Add", [h, _mlp(b, h, d)], name="residual_mlp"), d.d_model, "ln_mlp")
     with b.scope("mlm"):
         h = b.layer_norm(b.gelu(b.linear(h, d.d_model, d.d_model, "transform")), d.d_model, "ln")
@@ -144,9 +155,11 @@ def decoder(*, layers: int, d_model: int, heads: int, seq: int, vocab: int, batc
     return _decoder(_dims(layers, d_model, heads, seq, vocab, batch, seq), "decoder", train, seed, None)
 
 
-def encoder(*, layers: int, d_model: int, heads: int, seq: int, vocab: int, batch: int, train: bool, seed: int) -> onnx.ModelProto:
-    """A BERT-style post-LayerNorm encoder (no mask) with a tied masked-LM head over every position."""
-    return _encoder(_dims(layers, d_model, heads, seq, vocab, batch, seq), "encoder", train, seed, None)
+def encoder(*, layers: int, d_model: int, heads: int, seq: int, vocab: int, batch: int, padding_mask: bool, train: bool, seed: int
+            ) -> onnx.ModelProto:
+    """A BERT-style post-LayerNorm encoder with a tied masked-LM head over every position; with `padding_mask`, an
+    `attention_mask` input masks the padded positions in every layer."""
+    return _encoder(_dims(layers, d_model, heads, seq, vocab, batch, seq), "encoder", train, seed, None, padding_mask)
 
 
 def gpt2(*, layers: int, d_model: int, heads: int, seq: int, vocab: int, batch: int, train: bool, seed: int) -> onnx.ModelProto:

@@ -961,6 +961,7 @@ def inspect_command(
 
     graph = load(model, parse_dims(dim), parse_ties(tie, untie), shapes_by_running=shapes_by_running)
     console.print(f"[bold]{graph.source}[/]: {len(graph.compute_nodes)} compute nodes, {len(graph.constant_nodes)} constant nodes, "
+                  f"{len(graph.derived_nodes)} derived from the inputs (made again in each stage reading them), "
                   f"ir_version {graph.model.ir_version}, opsets " + ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in graph.model.opset_import))
     io = Table("", "name", "dtype", "shape", title="inputs and outputs")
     for kind, names in (("input", graph.inputs), ("output", graph.outputs)):

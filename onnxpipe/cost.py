@@ -137,13 +137,14 @@ _BACKWARD_FACTOR = {"matmul": 2.0, "conv": 2.0, "rnn": 2.0, "norm": 2.0, "elemen
 
 
 def annotate(graph: Graph, *, profile: bool = False, runs: int = 5, warmup: int = 2, device_kind: str = "cpu", provider: str = "") -> Costs:
-    """Cost every compute node; with `profile`, add median times measured in onnxruntime with the execution
-    provider of a `device_kind` device (`provider` when named; the CPU on one thread for "cpu")."""
+    """Cost every compute node and derived node (`Graph.derived_nodes`: each stage reading them runs them); with
+    `profile`, add median times measured in onnxruntime with the execution provider of a `device_kind` device
+    (`provider` when named; the CPU on one thread for "cpu")."""
     owners = {node: float(sum(graph.tensors[w].nbytes for w in mine if w in graph.tensors)) for node, mine in weight_owners(graph).items()}
     graded = _gradient_tensors(graph)
     nodes: dict[str, NodeCost] = {}
     unknown: set[str] = set()
-    for name in graph.compute_nodes:
+    for name in (n for n in graph.order if n not in graph.constant_nodes):
         cost, missing = _node_cost(graph.node(name), graph.node_inputs(name), graph, graph.constants, owners.get(name, 0), graded)
         nodes[name] = cost
         unknown |= missing

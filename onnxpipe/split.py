@@ -59,8 +59,8 @@ class _StageLayout:
     """What one stage holds and exchanges, before any proto is built."""
 
     nodes: tuple[str, ...]
-    #: Constant-chain nodes copied in, in topological order.
-    constant_nodes: tuple[str, ...]
+    #: Constant-chain and derived nodes (`Graph.derived_nodes`) copied in, in topological order.
+    copied_nodes: tuple[str, ...]
     initializers: tuple[str, ...]
     #: (tensor, source): source is "model" or the producing stage.
     inputs: tuple[tuple[str, str | int], ...]
@@ -140,31 +140,33 @@ def _layout(graph: Graph, plan: Plan, assignment: dict[str, int]) -> list[_Stage
     reads: list[dict[str, None]] = [{} for _ in range(k)]  # ordered sets
     for name in graph.compute_nodes:
         reads[assignment[name]].update(dict.fromkeys(graph.node_inputs(name)))
-    # Outputs that are constants have no compute producer: the last stage computes them.
-    constant_outputs = [o for o in graph.outputs if o in graph.constants]
+    # Outputs that are constants or derived have no compute producer: the last stage computes them.
+    constant_outputs = [o for o in graph.outputs if o in graph.constants or o in graph.derived]
     reads[k - 1].update(dict.fromkeys(constant_outputs))
 
-    closure: dict[str, tuple[set[str], set[str]]] = {}
+    closure: dict[str, _Closure] = {}
     layouts = []
     for s in range(k):
-        const_nodes: set[str] = set()
+        copied: set[str] = set()
         inits: set[str] = set()
         inputs: list[tuple[str, str | int]] = []
         for tensor in reads[s]:
             producer = graph.producer(tensor)
-            if tensor in graph.constants:
-                nodes, weights = _constant_closure(graph, tensor, closure)
-                const_nodes |= nodes
+            if tensor in graph.constants or tensor in graph.derived:
+                nodes, weights, read = _copied_closure(graph, tensor, closure)
+                copied |= nodes
                 inits |= weights
+                inputs += [(name, "model") for name in graph.inputs if name in read and (name, "model") not in inputs]
             elif producer is None:
-                inputs.append((tensor, "model"))
+                if (tensor, "model") not in inputs:
+                    inputs.append((tensor, "model"))
             elif assignment[producer] != s:
                 inputs.append((tensor, assignment[producer]))
                 consumers.setdefault(tensor, set()).add(s)
-        layouts.append((s, const_nodes, inits, inputs))
+        layouts.append((s, copied, inits, inputs))
 
     result = []
-    for s, const_nodes, inits, inputs in layouts:
+    for s, copied, inits, inputs in layouts:
         nodes = tuple(n for n in graph.compute_nodes if assignment[n] == s)
         produced = [o for n in nodes for o in graph.node(n).output if o]
         if s == k - 1:
@@ -180,7 +182,7 @@ def _layout(graph: Graph, plan: Plan, assignment: dict[str, int]) -> list[_Stage
             outputs.append((produced[-1], ()))  # a stage must output something, even a dead end
         result.append(_StageLayout(
             nodes=nodes,
-            constant_nodes=tuple(sorted(const_nodes, key=order_index.__getitem__)),
+            copied_nodes=tuple(sorted(copied, key=order_index.__getitem__)),
             initializers=tuple(sorted(inits)),
             inputs=tuple(inputs),
             outputs=tuple(outputs),
@@ -188,20 +190,25 @@ def _layout(graph: Graph, plan: Plan, assignment: dict[str, int]) -> list[_Stage
     return result
 
 
-def _constant_closure(graph: Graph, tensor: str, memo: dict[str, tuple[set[str], set[str]]]) -> tuple[set[str], set[str]]:
-    """The constant-chain nodes and initializers needed to compute a constant tensor."""
+#: The nodes, initializers and model inputs a stage needs to compute a tensor without its producer's stage.
+_Closure = tuple[set[str], set[str], set[str]]
+
+
+def _copied_closure(graph: Graph, tensor: str, memo: dict[str, _Closure]) -> _Closure:
+    """The constant-chain and derived nodes, initializers and model inputs needed to compute a constant or derived tensor."""
     if tensor in memo:
         return memo[tensor]
     producer = graph.producer(tensor)
     if producer is None:
-        found: tuple[set[str], set[str]] = (set(), {tensor} if tensor in graph.initializers else set())
+        found: _Closure = (set(), {tensor} if tensor in graph.initializers else set(), set() if tensor in graph.initializers else {tensor})
     else:
-        nodes, inits = {producer}, set()
+        nodes, inits, read = {producer}, set(), set()
         for t in graph.node_inputs(producer):
-            more_nodes, more_inits = _constant_closure(graph, t, memo)
-            nodes |= more_nodes
-            inits |= more_inits
-        found = (nodes, inits)
+            more = _copied_closure(graph, t, memo)
+            nodes |= more[0]
+            inits |= more[1]
+            read |= more[2]
+        found = (nodes, inits, read)
     for out in graph.node(producer).output if producer else (tensor,):
         if out:
             memo[out] = found
@@ -272,7 +279,7 @@ def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict
     model.model_version = source.model_version
     stage_graph = model.graph
     stage_graph.name = f"{source.graph.name or 'model'}_stage{index}"
-    for name in layout.constant_nodes + layout.nodes:
+    for name in layout.copied_nodes + layout.nodes:
         stage_graph.node.add().CopyFrom(graph.node(name))
     inits = _initializers_by_name(graph)
     large = []
@@ -285,7 +292,7 @@ def _stage_model(graph: Graph, index: int, layout: _StageLayout, originals: dict
     stage_graph.input.extend(_value_info(graph, name, originals) for name, _ in layout.inputs)
     stage_graph.output.extend(_value_info(graph, name, originals) for name, _ in layout.outputs)
     boundary = {name for name, _ in layout.inputs} | {name for name, _ in layout.outputs}
-    for name in layout.constant_nodes + layout.nodes:
+    for name in layout.copied_nodes + layout.nodes:
         for out in graph.node(name).output:
             if out and out not in boundary and out in originals:
                 stage_graph.value_info.add().CopyFrom(originals[out])
@@ -395,7 +402,8 @@ def cut_stages(graph: Graph, cuts: Sequence[str]) -> tuple[tuple[str, ...], ...]
             raise OnnxpipeError(f"--cuts: no tensor '{tensor}' in the model; name node outputs (see `onnxpipe inspect`)")
         producer = graph.producer(tensor)
         if producer is None or producer not in position:
-            raise OnnxpipeError(f"--cuts: tensor '{tensor}' is a model input or a constant; cut at a computed tensor")
+            raise OnnxpipeError(f"--cuts: tensor '{tensor}' is a model input, a constant or derived from the inputs alone (each stage "
+                                "reading it makes it); cut at a computed tensor")
         end = position[producer]
         if ends and end <= ends[-1]:
             raise OnnxpipeError(f"--cuts: tensor '{tensor}' is produced before (or with) the previous cut; list cuts in data-flow order")
@@ -440,12 +448,12 @@ def _ensure_no_sealed_cut(problem: Problem, cuts: Sequence[str], groups: tuple[t
 
 
 def annotate_stages(graph: Graph, plan: Plan, path: str | os.PathLike) -> None:
-    """Write a copy of the model whose nodes carry `onnxpipe.stage` metadata (constant-chain nodes:
+    """Write a copy of the model whose nodes carry `onnxpipe.stage` metadata (constant-chain and derived nodes:
     every stage that copies them), so a viewer such as Netron shows the cut."""
     assignment = {name: str(stage.index) for stage in plan.stages for name in stage.nodes}
     layouts = _layout(graph, plan, {n: int(s) for n, s in assignment.items()})
     for i, layout in enumerate(layouts):
-        for name in layout.constant_nodes:
+        for name in layout.copied_nodes:
             assignment[name] = f"{assignment[name]},{i}" if name in assignment else str(i)
     model = skeleton(graph.model, "graph")
     model.graph.CopyFrom(skeleton(graph.model.graph, "initializer"))

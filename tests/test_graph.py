@@ -281,7 +281,43 @@ def test_an_if_whose_condition_folds_is_replaced_by_the_branch_it_takes() -> Non
     model = helper.make_model(helper.make_graph(nodes, "if", [vi("x", TensorProto.FLOAT, [2, 3])], [vi("y", TensorProto.FLOAT, None)], inits),
                               opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     g = load(model)
-    assert "branch" not in g.order and g.compute_nodes == ("branch/twice", "fc") and g.tensors[g.node("fc").input[0]].shape == (2, 6)
+    assert "branch" not in g.order and g.order == ("branch/twice", "fc") and g.tensors[g.node("fc").input[0]].shape == (2, 6)
+    assert g.derived_nodes == {"branch/twice"}  # a Concat of the input with itself: each stage reading it makes it
     x = np.random.default_rng(6).standard_normal((2, 3)).astype(np.float32)
     np.testing.assert_array_equal(cpu_session(g.model.SerializeToString()).run(["y"], {"x": x})[0],
                                   cpu_session(model.SerializeToString()).run(["y"], {"x": x})[0])
+
+
+def test_streaming_nodes_on_the_inputs_alone_are_derived_and_placed_by_no_plan() -> None:
+    """An additive mask made from an input by elementwise and data-movement ops with scalar constants is derived (each
+    stage reading it makes it again); an op reading a weight, a contraction or a random op on the inputs is not."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    one, big = numpy_helper.from_array(np.float32(1.0), "one"), numpy_helper.from_array(np.float32(-1e4), "big")
+    nodes = [
+        helper.make_node("Sub", ["one", "pad"], ["dropped"], name="dropped"),
+        helper.make_node("Mul", ["dropped", "big"], ["bias"], name="bias"),
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1"),
+        helper.make_node("Add", ["h", "bias"], ["h_masked"], name="mask1"),
+        helper.make_node("Mul", ["pad", "w"], ["weighted"], name="weighted"),  # reads a weight
+        helper.make_node("Transpose", ["pad"], ["pad_t"], name="pad_t"),
+        helper.make_node("MatMul", ["pad", "pad_t"], ["gram"], name="gram"),  # a contraction
+        helper.make_node("RandomNormalLike", ["pad"], ["noise"], name="noise"),
+        helper.make_node("Add", ["h_masked", "weighted"], ["s1"], name="s1"),
+        helper.make_node("MatMul", ["gram", "s1"], ["s2"], name="s2"),
+        helper.make_node("Add", ["s2", "noise"], ["y"], name="y"),
+    ]
+    graph = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [8, 8]) for n in ("x", "pad")],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 8])], [w, one, big])
+    g = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert g.derived_nodes == {"dropped", "bias", "pad_t"}
+    assert g.derived == {"dropped", "bias", "pad_t"}
+    assert not g.derived_nodes & set(g.compute_nodes) and set(g.compute_nodes) == {"fc1", "mask1", "weighted", "gram", "noise", "s1", "s2", "y"}
+
+
+def test_a_model_of_derived_nodes_alone_places_them() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="r"), helper.make_node("Neg", ["r"], ["y"], name="y")]
+    graph = helper.make_graph(nodes, "weightless", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    g = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert g.derived_nodes == frozenset() and g.compute_nodes == ("r", "y")

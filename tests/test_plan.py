@@ -353,15 +353,20 @@ def test_recompute_chosen_only_where_memory_needs_it() -> None:
 
 
 def _with_dropout(model: onnx.ModelProto, node: str) -> onnx.ModelProto:
-    """The chain with `node` turned into a Dropout in training mode (what torch.onnx.TrainingMode.TRAINING exports)."""
+    """The chain with `node` turned into a Dropout in training mode (what torch.onnx.TrainingMode.TRAINING exports), and its
+    first node into a PRelu of a weight: a Relu of the input alone would be derived (`Graph.derived_nodes`), placed by no plan."""
     from onnx import numpy_helper
 
     for n in model.graph.node:
         if n.name == node:
             n.op_type = "Dropout"
             n.input.extend(["ratio", "training"])
+    first = model.graph.node[0]
+    first.op_type = "PRelu"
+    first.input.append("slope")
+    width = model.graph.input[0].type.tensor_type.shape.dim[1].dim_value
     model.graph.initializer.extend([numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
-                                    numpy_helper.from_array(np.array(True), "training")])
+                                    numpy_helper.from_array(np.array(True), "training"), numpy_helper.from_array(np.zeros(width, np.float32), "slope")])
     return model
 
 

@@ -23,7 +23,8 @@ from onnxpipe.plan.cpsat import _NS, _Model
 from onnxpipe.plan.dp import _prefix, _stage_times, intervals
 from onnxpipe.pricing.problem import Problem, build_problem
 from onnxpipe.pricing.stage import Assignment, StageCost, activation_bytes, held, price, state_bytes
-from onnxpipe.target import Device, Link, Target
+from onnxpipe.pricing.timemodel import node_seconds
+from onnxpipe.target import Device, Link, Target, load_target
 from test_properties import RandomModel, random_models
 
 
@@ -35,6 +36,31 @@ def test_the_rule_in_numbers() -> None:
     assert state_bytes(100.0, 40.0, 2.0, training=False) == 100.0
     assert activation_bytes(2, 50.0, 10.0, False) == 100.0
     assert activation_bytes(2, 50.0, 10.0, True) == 70.0  # two stashes and one micro-batch rebuilt
+
+
+def test_a_derived_tensor_costs_each_stage_reading_it_the_nodes_that_make_it() -> None:
+    """The padding mask (`Graph.derived_nodes`) is read as a model input is, and each stage reading it pays its makers'
+    forward, at that stage's device: the first stage alone when the mask's readers sit there, both otherwise."""
+    graph = load(build("bert-tiny", padding_mask=True))
+    problem = build_problem(graph, annotate(graph), load_target("hetero"), batch=graph.batch * 2, microbatches=2)
+    mask = next(t for t, name in enumerate(problem.tensor_names) if name in graph.derived and len(problem.tensor_consumers[t]) > 1)
+    assert problem.tensor_producer[mask] == -1 and len(problem.tensor_consumers[mask]) == 2  # one Add per layer
+    assert problem.tensor_bytes[mask] == graph.tensors["attention_mask"].nbytes  # what a recomputing stage stashes for it
+    makers = [n for n in graph.order if n in graph.derived_nodes]
+    for g in range(len(problem.groups)):
+        device = problem.target.device(problem.group_devices[g][0])
+        want = sum(node_seconds(device, problem.costs.nodes[n], problem.dtype) for n in makers)  # one micro-batch: the batch annotated
+        assert problem.crossing_received[g, mask] == pytest.approx(want, rel=1e-12) and want > 0
+    c1, c2 = problem.tensor_consumers[mask]
+    devices = tuple((d.name,) for d in problem.target.devices[:2])
+    for last, paying in ((c2, (True, False)), (c1, (True, True))):
+        assignment = Assignment((problem.nodes[: last + 1], problem.nodes[last + 1:]), devices, (False, False))
+        stage_of = np.repeat([0, 1], [last + 1, problem.n - last - 1])
+        plain = price(dataclasses.replace(problem, crossing_received=problem.crossing_received * 0), assignment, stage_of)
+        costs = price(problem, assignment, stage_of)
+        for s, (device,) in enumerate(devices):
+            want = problem.crossing_received[problem.group_of(device), mask] if paying[s] else 0.0
+            assert costs[s].forward - plain[s].forward == pytest.approx(want, rel=1e-9, abs=1e-15)
 
 
 @st.composite
@@ -85,8 +111,9 @@ def setup(case: RandomModel, target: Target, data: st.DataObject) -> tuple[Probl
     if data.draw(st.booleans()):  # cut tensors costing their stages forward seconds (layout reorders, float readers of a dequantized tensor)
         shape = problem.crossing_sent.shape
         sent, received = (np.array(data.draw(st.lists(st.sampled_from((0.0, 0.0, 2e-6, 3e-4)), min_size=math.prod(shape), max_size=math.prod(shape))))
-                          .reshape(shape) * (problem.tensor_producer >= 0) for _ in range(2))
-        problem = dataclasses.replace(problem, crossing_sent=sent, crossing_received=received)
+                          .reshape(shape) for _ in range(2))
+        # a model input's: a derived tensor (`Graph.derived_nodes`) that each stage reading it makes
+        problem = dataclasses.replace(problem, crossing_sent=sent * (problem.tensor_producer >= 0), crossing_received=received)
     return problem, min(case.stages, len(target.devices))
 
 

@@ -98,8 +98,9 @@ def skip_model() -> onnx.ModelProto:
     """x -> a -> b -> c -> d -> out = d + a: the skip `a` spans stages 1..3 when cut one node per stage;
     `x` is also an output and read by two stages; `w` is tied across stages."""
     w = numpy_helper.from_array(np.eye(6, dtype=np.float32) * 0.5, "w")
+    slope = numpy_helper.from_array(np.zeros(6, dtype=np.float32), "slope")  # a weight: `a` is computed, not derived from `x`
     nodes = [
-        helper.make_node("Relu", ["x"], ["a"], name="n0"),
+        helper.make_node("PRelu", ["x", "slope"], ["a"], name="n0"),
         helper.make_node("MatMul", ["a", "w"], ["b"], name="n1"),
         helper.make_node("Tanh", ["b"], ["c"], name="n2"),
         helper.make_node("MatMul", ["c", "w"], ["d"], name="n3"),
@@ -111,7 +112,7 @@ def skip_model() -> onnx.ModelProto:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 6]), helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
          helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 6])],
-        [w],
+        [w, slope],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
@@ -156,6 +157,24 @@ def test_constant_chains_and_tied_weights_are_copied_into_each_stage(tmp_path: P
     tied = {s.name: s.stages for s in manifest.shared}
     assert tied["embed/wte"] == (0, 3)
     assert "embed/wte" in manifest.stages[0].parameters and "embed/wte" in manifest.stages[3].parameters
+
+
+def test_derived_nodes_are_made_again_in_each_stage_reading_them(tmp_path: Path) -> None:
+    """The padding mask made from the attention_mask input is copied into every stage with an attention layer, which reads
+    the input from the model instead of a tensor from stage 0; the stages chain to the model's outputs."""
+    model = models.build("bert-tiny", padding_mask=True)
+    graph = load(model)
+    manifest = assert_equivalent(model, 3, tmp_path, graph)
+    mask = next(iter(t for t in graph.derived if graph.node(graph.producer(t)).op_type == "Reshape"))
+    readers = {s.index for s in manifest.stages if any(mask in n.input for n in onnx.load(str(tmp_path / "stages3" / s.file)).graph.node)}
+    assert len(readers) >= 2
+    for s in manifest.stages:
+        fed = {i.name: i.source for i in s.inputs}
+        assert mask not in fed and all(mask not in (o.name for o in s.outputs) for s in manifest.stages)
+        if s.index in readers:
+            assert fed.get("attention_mask") == "model"
+            copied = {n.name for n in onnx.load(str(tmp_path / "stages3" / s.file)).graph.node}
+            assert graph.derived_nodes <= copied
 
 
 def test_manifest_alone_chains_the_stages_without_onnxpipe(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ TRAINABLE = ["mlp", "resnet-tiny", "inception-tiny", "transformer-tiny", "two-io
 #: Models whose ops (LSTM, BatchNormalization) get gradients only after onnxruntime's pre-training rewrites.
 REWRITTEN = ["gnmt-tiny", "resnet-bn"]
 #: Test names for zoo models built with knobs.
-VARIANTS = {"resnet-bn": ("resnet-tiny", {"batchnorm": True})}
+VARIANTS = {"resnet-bn": ("resnet-tiny", {"batchnorm": True}), "bert-mask": ("bert-tiny", {"padding_mask": True})}
 SGD = OptimizerConfig("sgd", lr=0.05, momentum=0.9)
 ADAMW = OptimizerConfig("adamw", lr=0.01)
 _TMP = Path(tempfile.mkdtemp(prefix="onnxpipe-test-train-"))
@@ -131,6 +131,8 @@ MATRIX = [(name, k, schedule, recompute) for name in TRAINABLE for k in (2, 3, 4
 
 MATRIX += [(name, k, schedule, recompute) for name in REWRITTEN for k in (2, 3, 4) for schedule in ("gpipe", "1f1b")
            for recompute in ("never", "always")]
+# derived nodes (the padding mask) made again in each stage reading them, recomputed with the stage's forward too
+MATRIX += [("bert-mask", k, "1f1b", recompute) for k in (2, 3) for recompute in ("never", "always")]
 
 
 @pytest.mark.parametrize(("name", "k", "schedule", "recompute"), MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])

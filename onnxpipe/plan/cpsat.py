@@ -373,7 +373,7 @@ class _Model:
             read = [(t, r[s]) for t, r in enumerate(self.inputs) if r is not None and s in r]
             for o, (g, r) in enumerate(self.options):
                 y = self.y[s][o]
-                cut = self._crossing(s, g, r, received)
+                cut = self._crossing(s, g, r, received + read)
                 for rc in (False, True):
                     if (recompute == "always" and not rc) or (recompute == "never" and rc):
                         continue
@@ -401,7 +401,8 @@ class _Model:
                     cp.add(ar >= _ceil(a0 / m * _NS) * holds[s] + _dot(self.x, s, blocks.trained * a1 / m * _NS, math.ceil)).only_enforce_if(y)
 
     def _crossing(self, s: int, g: int, r: int, received: list[tuple[int, cp_model.IntVar]]) -> cp_model.LinearExpr:
-        """Forward nanoseconds the tensors stage s receives and sends cost it on group g with r replicas (its share)."""
+        """Forward nanoseconds the tensors stage s receives (or reads as model inputs: derived tensors it makes) and sends
+        cost it on group g with r replicas (its share)."""
         into, sent = self.blocks.crossing_received[g], self.blocks.crossing_sent[g]
         terms = [(v, _ceil(into[t] / r * _NS)) for t, v in received if into[t] > 0]
         terms += [(leaves[s], _ceil(sent[t] / r * _NS)) for t, leaves in enumerate(self.leaves) if leaves is not None and s in leaves and sent[t] > 0]

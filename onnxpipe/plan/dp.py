@@ -54,8 +54,9 @@ def intervals(blocks: Blocks) -> Intervals:
     for t, (pb, nbytes, cbs) in enumerate(zip(blocks.producer, blocks.nbytes, blocks.consumers)):
         lows = np.concatenate([[pb], cbs[:-1]]) + 1
         cols = cbs + 1
-        received = [(crossing[g], blocks.crossing_received[g, t]) for g in range(groups)] if costly and pb >= 0 else []
-        for m, w in ((stash, nbytes),) + (((in_b, nbytes), (in_c, 1.0), *received) if pb >= 0 else ()):
+        # received, or read as a model input (a derived tensor the stage makes): `Blocks.crossing_received` either way
+        received = tuple((crossing[g], blocks.crossing_received[g, t]) for g in range(groups)) if costly else ()
+        for m, w in ((stash, nbytes), *received) + (((in_b, nbytes), (in_c, 1.0)) if pb >= 0 else ()):
             np.add.at(m, (lows, cols), w)
             np.add.at(m, (cols, cols), -w)
         if pb >= 0:

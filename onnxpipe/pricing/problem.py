@@ -91,8 +91,9 @@ class Problem:
     #: are: what has gradients, optimizer state and an all-reduce. Frozen weights (int8 behind a DequantizeLinear,
     #: constant fills, BatchNorm statistics) are only held.
     trained: np.ndarray
-    #: Tensors read by compute nodes: name, producer position (-1: model input), bytes per micro-batch,
-    #: and the sorted distinct positions of their consumers.
+    #: Tensors read by compute nodes: name, producer position (-1: model input, or a derived tensor each stage reading it
+    #: makes: `Graph.derived_nodes`), bytes per micro-batch (a derived tensor's: the model inputs its makers read, what a
+    #: recomputing stage stashes for it), and the sorted distinct positions of their consumers.
     tensor_names: tuple[str, ...]
     tensor_producer: np.ndarray
     tensor_bytes: np.ndarray
@@ -105,7 +106,9 @@ class Problem:
     #:   for a tensor a blocked node writes (sent) or reads (received), at the profiled host's rates;
     #: - a dequantized tensor (`quantized.dequantized_source`) received: its int8 readers run as float kernels in
     #:   that stage (their DequantizeLinear is in another stage file, so nothing fuses them), priced at the float
-    #:   rate (measured: their unfused time) instead of the int8 rate (received: the difference).
+    #:   rate (measured: their unfused time) instead of the int8 rate (received: the difference);
+    #: - a tensor the derived nodes write (`Graph.derived_nodes`), listed as a model input is (producer -1): every stage
+    #:   reading it runs the derived nodes that make it (received: their forward).
     #: Zeros otherwise (training sends no reordered tensor; other devices; models without either).
     crossing_sent: np.ndarray
     crossing_received: np.ndarray
@@ -266,9 +269,9 @@ def build_problem(
     if mode == "training" and max_latency < math.inf:
         raise OnnxpipeError("--max-latency bounds an inference pipeline's latency; add --mode inference")
     nodes = graph.compute_nodes
-    missing = [n for n in nodes if n not in costs.nodes]
+    missing = [n for n in (*nodes, *sorted(graph.derived_nodes)) if n not in costs.nodes]
     if missing:
-        raise OnnxpipeError(f"costs miss {plural(len(missing), 'compute node')} (first: '{missing[0]}'); annotate this model again with `onnxpipe annotate`")
+        raise OnnxpipeError(f"costs miss {plural(len(missing), 'node')} (first: '{missing[0]}'); annotate this model again with `onnxpipe annotate`")
     dtype = dtype or dominant_dtype(graph)
     scale = batch / microbatches / graph.batch
     groups: list[str] = []
@@ -306,6 +309,7 @@ def build_problem(
     drawn = set(draws_random(graph.model.graph))
     dequantized = tuple((t, source) for t, name in enumerate(names) if producer[t] >= 0 and (source := dequantized_source(graph, name)) is not None)
     received += _dequantized_readers(costs, firsts, nodes, dequantized, consumers, forward, scale, dtype)
+    received += _derived_makers(graph, costs, firsts, names, scale, dtype, mode)
     return Problem(
         graph=graph,
         costs=costs,
@@ -412,6 +416,31 @@ def _dequantized_readers(costs: Costs, devices: list[Device], nodes: tuple[str, 
     return extra
 
 
+def _derived_sources(graph: Graph) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """Per derived tensor, the derived nodes that make it and the model inputs they read."""
+    sources: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+    inputs = set(graph.inputs)
+    for name in graph.order:  # topological: a derived node's derived inputs have their sources already
+        if name in graph.derived_nodes:
+            reads = graph.node_inputs(name)
+            makers = frozenset({name}).union(*(sources[t][0] for t in reads if t in sources))
+            fed = frozenset(t for t in reads if t in inputs).union(*(sources[t][1] for t in reads if t in sources))
+            sources.update((o, (makers, fed)) for o in graph.node(name).output if o)
+    return sources
+
+
+def _derived_makers(graph: Graph, costs: Costs, devices: list[Device], names: tuple[str, ...], scale: float, dtype: str, mode: str) -> np.ndarray:
+    """(groups, tensors) forward seconds of the derived nodes that make each derived tensor, which every stage reading it
+    runs (`devices`: each group's first device)."""
+    made = np.zeros((len(devices), len(names)))
+    sources = _derived_sources(graph)
+    for t, name in enumerate(names):
+        for node in sources[name][0] if name in sources else ():
+            cost = _scaled(_inference_form(costs.nodes[node]) if mode == "inference" else costs.nodes[node], scale)
+            made[:, t] += [node_seconds(d, cost, dtype) for d in devices]
+    return made
+
+
 def _inference_form(cost: NodeCost) -> NodeCost:
     """The node as an inference stage runs it: its measured time in an optimized session where profiled."""
     if cost.measured_inference_seconds is None:
@@ -445,15 +474,16 @@ def _tensors(graph: Graph, nodes: tuple[str, ...], scale: float) -> tuple[tuple[
         if src in position and dst in position:
             producer[key] = position[src]
             readers.setdefault(key, set()).add(position[dst])
-    for name in graph.inputs:
+    for name in (*graph.inputs, *sorted(graph.derived)):  # a derived tensor has no producer stage: each reader makes it
         found = {position[c] for c in graph.consumers(name) if c in position}
         if found:
             producer[name] = -1
             readers[name] = found
     names = tuple(readers)
+    fed = {t: sum(graph.tensors[i].nbytes for i in inputs) for t, (_, inputs) in _derived_sources(graph).items()}
     return (
         names,
         np.array([producer[t] for t in names], dtype=np.int64),
-        np.array([graph.tensors[t].nbytes * scale for t in names], dtype=float),
+        np.array([fed.get(t, graph.tensors[t].nbytes) * scale for t in names], dtype=float),
         tuple(np.array(sorted(readers[t]), dtype=np.int64) for t in names),
     )

@@ -303,14 +303,17 @@ class _Comm:
 def _communication(problem: Problem, stage_of: np.ndarray, groups: list[np.ndarray], k: int) -> _Comm:
     """One message per tensor per consumer stage, from the producer's stage; a replicated stage sends
     and receives its share of the micro-batch on each replica. A crossing tensor's forward seconds
-    (`Problem.crossing_sent`, `crossing_received`) go to the producer's stage once and to each consumer stage."""
+    (`Problem.crossing_sent`, `crossing_received`) go to the producer's stage once and to each consumer stage (every
+    stage reading a model input or derived tensor)."""
     in_b, out_b, in_s, out_s, stash, crossing = (np.zeros(k) for _ in range(6))
     replicas = [len(g) for g in groups]
     for t, p in enumerate(problem.tensor_producer):
         nbytes = problem.tensor_bytes[t]
         targets = np.unique(stage_of[problem.tensor_consumers[t]])
-        if p < 0:
+        if p < 0:  # a model input, or a derived tensor each reading stage makes (`Problem.crossing_received`)
             stash[targets] += nbytes
+            for dst in targets:
+                crossing[dst] += problem.crossing_received[groups[dst][0], t]
             continue
         src = stage_of[p]
         if (targets != src).any():
