@@ -175,6 +175,8 @@ def test_derived_nodes_are_made_again_in_each_stage_reading_them(tmp_path: Path)
             assert fed.get("attention_mask") == "model"
             copied = {n.name for n in onnx.load(str(tmp_path / "stages3" / s.file)).graph.node}
             assert graph.derived_nodes <= copied
+    with pytest.raises(OnnxpipeError, match=f"^--cuts: tensor '{mask}' is a model input, a constant or derived from the inputs alone"):
+        cut_stages(graph, [mask])
 
 
 def test_manifest_alone_chains_the_stages_without_onnxpipe(tmp_path: Path) -> None:
