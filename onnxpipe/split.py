@@ -141,8 +141,8 @@ def _layout(graph: Graph, plan: Plan, assignment: dict[str, int]) -> list[_Stage
     for name in graph.compute_nodes:
         reads[assignment[name]].update(dict.fromkeys(graph.node_inputs(name)))
     # Outputs that are constants or derived have no compute producer: the last stage computes them.
-    constant_outputs = [o for o in graph.outputs if o in graph.constants or o in graph.derived]
-    reads[k - 1].update(dict.fromkeys(constant_outputs))
+    copied_outputs = [o for o in graph.outputs if o in graph.constants or o in graph.derived]
+    reads[k - 1].update(dict.fromkeys(copied_outputs))
 
     closure: dict[str, _Closure] = {}
     layouts = []
@@ -170,7 +170,7 @@ def _layout(graph: Graph, plan: Plan, assignment: dict[str, int]) -> list[_Stage
         nodes = tuple(n for n in graph.compute_nodes if assignment[n] == s)
         produced = [o for n in nodes for o in graph.node(n).output if o]
         if s == k - 1:
-            produced += [o for o in constant_outputs if o not in produced]
+            produced += [o for o in copied_outputs if o not in produced]
         outputs = []
         for tensor in produced:
             users: list[str | int] = sorted(consumers.get(tensor, ()))  # type: ignore[arg-type]
