@@ -20,21 +20,11 @@ from pathlib import Path
 from onnxpipe.cost import annotate
 from onnxpipe.graph import Graph, load
 from onnxpipe.plan import choose_mode, plan
-from onnxpipe.plan.result import Plan
 from onnxpipe.target import load_target
-from bench_plan import EXPORT_TARGETS, EXPORTS, EXPORTS_DIR, STAGES, doubled
+from bench_plan import EXPORT_TARGETS, EXPORTS, EXPORTS_DIR, STAGES, doubled, least_bottleneck, least_gap
 from benchdoc import cpu_model, write_section
 
 SECTION = "bench_derived"
-
-
-def least(p: Plan) -> float:
-    return p.solver.least_bottleneck_seconds or p.bottleneck_seconds
-
-
-def least_gap(p: Plan) -> float:
-    """The least bottleneck found over the bound valid for every plan (bench_plan's `least gap`)."""
-    return max(0.0, least(p) - p.solver.bound_seconds) / least(p)
 
 
 def run(time_limit: float, only: list[str]) -> list[dict]:
@@ -56,8 +46,8 @@ def run(time_limit: float, only: list[str]) -> list[dict]:
                     target = load_target(doubled(t, Path(tmp)) if k > len(load_target(t).devices) else t)
                     made, sent = (plan(g, costs, target, stages=k, time_limit=time_limit, mode=choose_mode(g, None)) for g in (graph, placed))
                     row = dict(model=name, derived=len(graph.derived_nodes), target=t, k=k,
-                               made=least(made), made_gap=least_gap(made), made_iteration=made.iteration_seconds, made_solve=made.solver.solve_seconds,
-                               sent=least(sent), sent_gap=least_gap(sent), sent_iteration=sent.iteration_seconds, sent_solve=sent.solver.solve_seconds)
+                               made=least_bottleneck(made), made_gap=least_gap(made), made_iteration=made.iteration_seconds, made_solve=made.solver.solve_seconds,
+                               sent=least_bottleneck(sent), sent_gap=least_gap(sent), sent_iteration=sent.iteration_seconds, sent_solve=sent.solver.solve_seconds)
                     rows.append(row)
                     print(row, flush=True)
     return rows
