@@ -294,7 +294,8 @@ def build_problem(
     trained = np.maximum(params - _frozen_bytes(graph, nodes), 0.0)
     weighted = np.array([float(p > 0 and graph.node(n).op_type not in FUSED_GRADIENT_OPS) for n, p in zip(nodes, params)])
     activations = np.array([c.activation_bytes * scale for c in node_costs], dtype=float)
-    names, producer, nbytes, consumers = _tensors(graph, nodes, scale)
+    sources = _derived_sources(graph)
+    names, producer, nbytes, consumers = _tensors(graph, nodes, scale, sources)
     bandwidth = np.full((len(groups), len(groups)), np.inf)
     latency = np.zeros((len(groups), len(groups)))
     for a, ga in enumerate(groups):
@@ -309,7 +310,7 @@ def build_problem(
     drawn = set(draws_random(graph.model.graph))
     dequantized = tuple((t, source) for t, name in enumerate(names) if producer[t] >= 0 and (source := dequantized_source(graph, name)) is not None)
     received += _dequantized_readers(costs, firsts, nodes, dequantized, consumers, forward, scale, dtype)
-    received += _derived_makers(graph, costs, firsts, names, scale, dtype, mode)
+    received += _derived_makers(costs, firsts, names, sources, scale, dtype, mode)
     return Problem(
         graph=graph,
         costs=costs,
@@ -416,9 +417,13 @@ def _dequantized_readers(costs: Costs, devices: list[Device], nodes: tuple[str, 
     return extra
 
 
-def _derived_sources(graph: Graph) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
-    """Per derived tensor, the derived nodes that make it and the model inputs they read."""
-    sources: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+#: Per derived tensor, the derived nodes that make it and the model inputs they read.
+_Sources = dict[str, tuple[frozenset[str], frozenset[str]]]
+
+
+def _derived_sources(graph: Graph) -> _Sources:
+    """Computed once per problem: the tensor table (bytes) and the crossing seconds both read it."""
+    sources: _Sources = {}
     inputs = set(graph.inputs)
     for name in graph.order:  # topological: a derived node's derived inputs have their sources already
         if name in graph.derived_nodes:
@@ -429,11 +434,10 @@ def _derived_sources(graph: Graph) -> dict[str, tuple[frozenset[str], frozenset[
     return sources
 
 
-def _derived_makers(graph: Graph, costs: Costs, devices: list[Device], names: tuple[str, ...], scale: float, dtype: str, mode: str) -> np.ndarray:
+def _derived_makers(costs: Costs, devices: list[Device], names: tuple[str, ...], sources: _Sources, scale: float, dtype: str, mode: str) -> np.ndarray:
     """(groups, tensors) forward seconds of the derived nodes that make each derived tensor, which every stage reading it
     runs (`devices`: each group's first device)."""
     made = np.zeros((len(devices), len(names)))
-    sources = _derived_sources(graph)
     for t, name in enumerate(names):
         for node in sources[name][0] if name in sources else ():
             cost = _scaled(_inference_form(costs.nodes[node]) if mode == "inference" else costs.nodes[node], scale)
@@ -466,7 +470,7 @@ def _scaled(cost, scale: float):  # type: ignore[no-untyped-def]
     )
 
 
-def _tensors(graph: Graph, nodes: tuple[str, ...], scale: float) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+def _tensors(graph: Graph, nodes: tuple[str, ...], scale: float, sources: _Sources) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
     position = {n: i for i, n in enumerate(nodes)}
     readers: dict[str, set[int]] = {}
     producer: dict[str, int] = {}
@@ -480,7 +484,7 @@ def _tensors(graph: Graph, nodes: tuple[str, ...], scale: float) -> tuple[tuple[
             producer[name] = -1
             readers[name] = found
     names = tuple(readers)
-    fed = {t: sum(graph.tensors[i].nbytes for i in inputs) for t, (_, inputs) in _derived_sources(graph).items()}
+    fed = {t: sum(graph.tensors[i].nbytes for i in inputs) for t, (_, inputs) in sources.items()}
     return (
         names,
         np.array([producer[t] for t in names], dtype=np.int64),
