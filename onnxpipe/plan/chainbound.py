@@ -97,7 +97,7 @@ from onnxpipe.plan.layout import EXACT_REPLICAS
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.pricing.stage import message_seconds, state_bytes
 
-__all__ = ["Segments", "segments", "chain_bound", "fits_in_memory"]
+__all__ = ["Segments", "segments", "chain_bound", "fits_in_memory", "ending_prefixes"]
 
 #: Bisection stops when the interval is this fraction of the starting upper bound.
 _PRECISION = 1e-6
@@ -201,6 +201,48 @@ def fits_in_memory(problem: Problem, stages: int, replicas: bool = True) -> bool
     """Whether some walk of `stages` stages holds the segments each stage covers whole in its device's memory (module
     docstring, 6): where none does, no plan of that many stages fits, whatever its cuts and recompute."""
     return _feasible(_chain_of(problem, replicas), stages, math.inf)
+
+
+#: The most walks `ending_prefixes` keeps at one stage before it gives up (None): a target of many device types.
+MOST_WALKS = 4096
+
+
+def ending_prefixes(problem: Problem, stages: int, ceiling: float, replicas: bool = True) -> set[tuple[int, ...]] | None:
+    """The sequences of device groups of a first few stages (each stage on one group) whose walk reaches the end within
+    `ceiling`, later stages left empty: a plan whose stages' groups begin with none of them has no bottleneck within it,
+    since the walk of a plan on its own groups stays feasible (module docstring, 3-6). None when the walks at one stage
+    grow past `MOST_WALKS`. Kept per sequence of groups so far (`_feasible` merges them across sequences, so its bound
+    is the best sequence's); the walks of one sequence are merged into the farthest positions and the fewest devices
+    used of each group, which only lets more through."""
+    chain = _chain_of(problem, replicas)
+    groups = range(len(chain.counts))
+    devices = sum(chain.counts)
+    ended: set[tuple[int, ...]] = set()
+    #: groups so far -> (position in each group's work, devices used of each group)
+    level: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[int, ...]]] = {(): ((0.0,) * len(chain.counts), (0,) * len(chain.counts))}
+    for j in range(stages):
+        nxt: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[int, ...]]] = {}
+        spare = devices - (stages - j - 1)
+        for prefix, (x, used) in level.items():
+            before = tuple(u > 0 for u in used)
+            for g in groups:
+                for lo, r in chain.rungs[g]:
+                    if lo > chain.counts[g] - used[g] or sum(used) + lo > spare:
+                        break
+                    after = tuple(n - u - (lo if h == g else 0) > 0 for h, (u, n) in enumerate(zip(used, chain.counts)))
+                    y = chain.reach(g, r, x[g], ceiling, before=before, after=after)
+                    key = prefix + (g,)
+                    if y >= chain.m:
+                        ended.add(key)
+                        continue
+                    walk = (tuple(y if h == g else chain.after(g, h, y, x[h], r * ceiling) for h in groups),
+                            used[:g] + (chain.floor[g][used[g] + lo],) + used[g + 1:])
+                    kept = nxt.get(key)
+                    nxt[key] = walk if kept is None else (tuple(map(max, kept[0], walk[0])), tuple(map(min, kept[1], walk[1])))
+        if len(nxt) > MOST_WALKS:
+            return None
+        level = nxt
+    return ended
 
 
 _CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

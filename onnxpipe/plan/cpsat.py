@@ -20,7 +20,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from onnxpipe.pricing.stage import activation_bytes, held, message_seconds, reco
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
 
-__all__ = ["CpResult", "Stop", "Stall", "solve_cpsat", "half_the_cores"]
+__all__ = ["CpResult", "Stop", "Stall", "solve_cpsat", "half_the_cores", "held_ceiling_ns"]
 
 _NS = 1e9
 _KIB = 1024.0
@@ -128,6 +128,7 @@ def solve_cpsat(
     stop: Stop | None = None,
     searching: threading.Event | None = None,
     refute: bool = False,
+    patterns: Sequence[tuple[int, ...]] | None = None,
 ) -> CpResult:
     """Minimise the bottleneck seconds per micro-batch. `floor_seconds` is a known valid lower bound;
     `ceiling_seconds` the bottleneck of a plan on these blocks (the hint's), which bounds the search. `stop`: ends
@@ -136,11 +137,12 @@ def solve_cpsat(
     question is whether any plan is within the ceiling (`probe`), not the least bottleneck: the first plan found answers it
     (and the next question asks below it; going on to the time limit instead, BART-base's export on gpu4 at 4 stages spent 3.2 s
     bettering a plan the question had found by 0.01%). `time_limit` covers building the model too (0.1-0.4 s node by node on
-    the exports): none left for the search, it does not start (UNKNOWN)."""
+    the exports): none left for the search, it does not start (UNKNOWN). `patterns`: on several device groups, the stages'
+    groups follow one of these (the patterns a plan within the ceiling may have, `plan.patterns.reachable`; none: no plan)."""
     from ortools.sat.python import cp_model  # here, not at import: it loads pandas (~0.5 s) that split, simulate and train never need
 
     started = time.perf_counter()
-    model = _Model(problem, blocks, stages, recompute, replicas, floor_seconds, ceiling_seconds)
+    model = _Model(problem, blocks, stages, recompute, replicas, floor_seconds, ceiling_seconds, patterns)
     if hint is not None:
         model.hint(hint)
     left = time_limit - (time.perf_counter() - started)
@@ -194,6 +196,13 @@ def solve_cpsat(
     return CpResult(model.layout(solver), name, solver.objective_value / _NS, solver.best_objective_bound / _NS, solver.wall_time)
 
 
+def held_ceiling_ns(ceiling: float, blocks: Blocks) -> int:
+    """A ceiling (seconds) as the model over `blocks` holds it, in nanoseconds: every term is rounded up to whole
+    nanoseconds, so a plan priced at `ceiling` may sit that many above it. A plan the model holds within it is priced
+    within it by `evaluate` too (each of the model's terms is at least `evaluate`'s)."""
+    return int(math.ceil(ceiling * _NS * (1 + 1e-6))) + blocks.count + 3 * len(blocks.nbytes) + 16
+
+
 def _default_workers() -> int:
     """All cores; on two or fewer, one: a single search worker proves optimality sooner than a two-worker
     portfolio sharing the cores (measured on the zoo's 8-stage plans, 2 to 5x sooner)."""
@@ -217,7 +226,8 @@ def _progress(cp_model, report: Callable[[float, float], None]):  # type: ignore
 
 
 class _Model:
-    def __init__(self, problem: Problem, blocks: Blocks, stages: int, recompute: str, replicas: bool, floor: float, ceiling: float) -> None:
+    def __init__(self, problem: Problem, blocks: Blocks, stages: int, recompute: str, replicas: bool, floor: float, ceiling: float,
+                 patterns: Sequence[tuple[int, ...]] | None = None) -> None:
         from ortools.sat.python import cp_model
 
         self.problem, self.blocks, self.k = problem, blocks, stages
@@ -225,9 +235,8 @@ class _Model:
         nb, k = blocks.count, stages
         counts = [len(d) for d in problem.group_devices]
         most = max(1, sum(counts) - k + 1) if replicas else 1
-        # Every term is rounded up to whole nanoseconds, so a plan priced at `ceiling` may sit that many above it.
-        self.most_ns = int(math.ceil(ceiling * _NS * (1 + 1e-6))) + nb + 3 * len(blocks.nbytes) + 16 if math.isfinite(ceiling) else 2**50
-        first, last = _windows(problem, blocks, k, replicas, self.most_ns / _NS) if math.isfinite(ceiling) else (np.zeros(nb, int), np.full(nb, k - 1))
+        self.most_ns = held_ceiling_ns(ceiling, blocks) if math.isfinite(ceiling) else 2**50
+        first, last = _windows(problem, blocks, k, replicas, self.most_ns / _NS, patterns) if math.isfinite(ceiling) else (np.zeros(nb, int), np.full(nb, k - 1))
         #: x[b][s]: block b is in stage s, over the stages it can take (`_windows`); no variable where it cannot.
         self.x = [{s: cp.new_bool_var("") for s in range(int(first[b]), int(last[b]) + 1)} for b in range(nb)]
         for b in range(nb):
@@ -251,6 +260,8 @@ class _Model:
                 cp.add(self.in_group[s][g] == sum(self.y[s][o] for o, (h, _) in enumerate(self.options) if h == g))
             if problem.stage_groups:
                 cp.add(self.in_group[s][problem.stage_groups[s]] == 1)
+        if patterns is not None:  # the stages' groups follow one of these patterns (`plan.patterns.reachable`)
+            cp.add_allowed_assignments([v for row in self.in_group for v in row], [[int(p[s] == g) for s in range(k) for g in range(len(counts))] for p in patterns])
         self.rc = [cp.new_bool_var("") for _ in range(k)]
         for v in self.rc:
             if recompute != "auto":
@@ -481,7 +492,8 @@ class _Model:
         )
 
 
-def _windows(problem: Problem, blocks: Blocks, k: int, replicas: bool, ceiling: float) -> tuple[np.ndarray, np.ndarray]:
+def _windows(problem: Problem, blocks: Blocks, k: int, replicas: bool, ceiling: float, patterns: Sequence[tuple[int, ...]] | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     """First and last stage each block can take in a plan of bottleneck <= ceiling: the stages up to a
     block's must do the work of its ancestors (the ones from it on, of its descendants), and a stage's
     devices each do at most `ceiling` seconds of it (`_holds`)."""
@@ -496,7 +508,7 @@ def _windows(problem: Problem, blocks: Blocks, k: int, replicas: bool, ceiling: 
     for c in range(nb):  # producers precede consumers in block order: each row is final before a consumer reads it
         if preds[c]:
             before[c] |= before[list(preds[c])].any(axis=0)
-    (up_to, first_most), (from_on, last_most) = _devices(problem, k, replicas)
+    (up_to, first_most), (from_on, last_most) = _devices(problem, k, replicas, patterns)
     reach = _holds(before, times, up_to, first_most, ceiling)  # stages 0..s can hold the block's ancestors
     first = np.where(reach.any(axis=1), reach.argmax(axis=1), k)
     hold = _holds(before.T, times, from_on, last_most, ceiling)  # stages s..k-1 can hold its descendants
@@ -504,10 +516,12 @@ def _windows(problem: Problem, blocks: Blocks, k: int, replicas: bool, ceiling: 
     return first, last
 
 
-def _devices(problem: Problem, k: int, replicas: bool) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def _devices(problem: Problem, k: int, replicas: bool, patterns: Sequence[tuple[int, ...]] | None = None
+             ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The most devices stages 0..s may hold, in all (k,) and of each group (k, groups); the same for stages s..k-1. Each
     stage holds one device at least (exactly one without replicas), and with each stage's group fixed
-    (`Problem.stage_groups`) only devices of those stages' groups, as many as the other stages of the group leave. Measured
+    (`Problem.stage_groups`) only devices of those stages' groups, as many as the other stages of the group leave; with
+    the stages' groups following one of `patterns`, the most any of them leaves. Measured
     on the questions asked by pattern (`plan.patterns`) at 4 heterogeneous stages, "no plan within 0.475% of the best" for
     each of the 6 patterns: BART-base's export in 3.1 s instead of 7.3 (CP-SAT's deterministic time 0.87 instead of 1.42),
     T5-small's in 6.7 s instead of 7.8 (1.69 instead of 2.74), where every device counted at the fastest group's speed."""
@@ -515,13 +529,14 @@ def _devices(problem: Problem, k: int, replicas: bool) -> tuple[tuple[np.ndarray
     stages = np.arange(k)
     up_to = counts.sum() - (k - 1 - stages) if replicas else stages + 1
     from_on = counts.sum() - stages if replicas else k - stages
-    if not problem.stage_groups:
+    fixed = [problem.stage_groups] if problem.stage_groups else patterns
+    if not fixed:
         return (up_to, np.tile(counts, (k, 1))), (from_on, np.tile(counts, (k, 1)))
-    member = np.array(problem.stage_groups)[:, None] == np.arange(len(counts))  # (k, groups): stage s is of group g
-    upto, fromon = np.cumsum(member, axis=0), np.cumsum(member[::-1], axis=0)[::-1]  # stages of each group in 0..s, in s..k-1
+    member = np.array(fixed)[:, :, None] == np.arange(len(counts))  # (patterns, k, groups): stage s is of group g
+    upto, fromon = np.cumsum(member, axis=1), np.cumsum(member[:, ::-1], axis=1)[:, ::-1]  # stages of each group in 0..s, in s..k-1
     prefix = (counts - (fromon - member) if replicas else upto) * (upto > 0)
     suffix = (counts - (upto - member) if replicas else fromon) * (fromon > 0)
-    return (up_to, prefix), (from_on, suffix)
+    return (up_to, prefix.max(axis=0)), (from_on, suffix.max(axis=0))
 
 
 def _holds(sets: np.ndarray, times: np.ndarray, total: np.ndarray, most: np.ndarray, ceiling: float) -> np.ndarray:

@@ -31,12 +31,12 @@ from onnxpipe.errors import OnnxpipeError
 from onnxpipe.plan.baselines import baselines
 from onnxpipe.plan.bounds import Bounds, LowerBound
 from onnxpipe.plan.coarsen import Blocks, coarsen, refine
-from onnxpipe.plan.cpsat import CpResult, Stall, Stop, half_the_cores, solve_cpsat
+from onnxpipe.plan.cpsat import CpResult, Stall, Stop, half_the_cores, held_ceiling_ns, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, placed, within
 from onnxpipe.plan.layout import EXACT_REPLICAS, Layout, to_assignment
-from onnxpipe.plan.patterns import Patterns, patterns
+from onnxpipe.plan.patterns import MOST, Patterns, patterns, reachable
 from onnxpipe.plan.probe import Probed, close, probe
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
@@ -169,7 +169,8 @@ def solve(
     nodes, proof = blocks, result
     if proving and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
-        hold = _LEAST_SHARE * deadline.remaining() * (1.0 if patterns(problem, stages) is not None else _AIMED_HOLD)
+        few = patterns(problem, stages, _held(least.bottleneck_seconds, nodes), replicas)
+        hold = _LEAST_SHARE * deadline.remaining() * (1.0 if few is not None else _AIMED_HOLD)
         proof = _prove(problem, nodes, _layout_of(problem, least, nodes, replicas), least, stages, recompute, replicas, bound.seconds,
                        deadline, report, hold=hold)
         if proof.layout is not None:
@@ -204,6 +205,12 @@ def solve(
     return dataclasses.replace(best, solver=info)
 
 
+def _held(ceiling: float, nodes: Blocks) -> float:
+    """A ceiling as CP-SAT's model over `nodes` holds it (`cpsat.held_ceiling_ns`), in seconds: the patterns a plan it finds
+    within the ceiling may have are those reachable at this (`plan.patterns.reachable`)."""
+    return held_ceiling_ns(ceiling, nodes) / 1e9
+
+
 def _baselines_once(searching: threading.Event, problem: Problem, stages: int, recompute: str, replicas: bool, bounds: Bounds) -> list[Plan]:
     """The baselines of `stages` stages exactly as `compare` reports them (data parallelism is one stage on every device: at
     one stage it counts, across device groups too), so the plan is never worse than any of them; priced once `searching`."""
@@ -229,8 +236,9 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     `until`: a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes).
     The search down ends the questions when it ends; the questions end it once they have proven its plan within
     `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds, and on
-    several where their patterns are few, each asked one pattern at a time, `plan.patterns`; otherwise bisecting), not
-    before `hold` seconds. Each plan the search down finds is handed to the
+    several where the patterns reaching the best plan's bottleneck are few, each asked one pattern at a time, `plan.patterns`;
+    otherwise bisecting), not before `hold` seconds. On several device types the search down and each question are told
+    the patterns whose chain walk reaches their ceiling (`plan.patterns.reachable`): no plan of another is within it. Each plan the search down finds is handed to the
     questions, and where they aim ends the one being asked if it is at or below its ceiling (answered: moot, also one
     whose model is still being built; asked by pattern, the patterns left go to the next question, below that plan:
     T5-small's export at 4 heterogeneous stages ran its first question on for 8.7 s after the search down had answered it.
@@ -249,8 +257,10 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     searching = searching or threading.Event()
 
     one_type = len(problem.group_devices) == 1
-    # On several device types, a question asked one pattern of types at a time where they are few (`patterns`): aimed.
-    few = patterns(problem, stages)
+    # On several device types, only the patterns of types whose chain walk reaches the best plan's bottleneck hold a better plan
+    # (`reachable`); a question asked one of them at a time where they are few (`patterns`): aimed.
+    possible = reachable(problem, stages, _held(best, nodes), replicas)
+    few = possible if possible is not None and len(possible) <= MOST else None
     by_pattern = Patterns(problem, few, hint.groups if hint is not None else ()) if few is not None else None
     aim = one_type or by_pattern is not None
     asked_below = [math.inf]  # the ceiling of the question being asked
@@ -274,19 +284,22 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
         searching.wait()
         asked_below[0] = ceiling
 
+        # The patterns whose walk fits within the question's ceiling: no plan of another has a bottleneck within it.
+        reach = reachable(problem, stages, _held(ceiling, nodes), replicas)
+
         def one(question: Problem, limit: float) -> CpResult:
             if limit < built[0]:
                 return CpResult(None, "UNKNOWN", math.inf, low, 0.0)
             begun = time.perf_counter()
             answer = solve_cpsat(question, nodes, stages, recompute=recompute, replicas=replicas, floor_seconds=low, ceiling_seconds=ceiling,
-                                 time_limit=limit, workers=workers, stop=asking, refute=True)
+                                 time_limit=limit, workers=workers, stop=asking, refute=True, patterns=None if by_pattern else reach)
             built[0] = max(built[0], time.perf_counter() - begun - answer.wall_seconds)
             return answer
 
         if by_pattern is None:
             return one(problem, seconds)
         # Once answered, the patterns not yet asked are left to the next question, below that plan (none of their models built).
-        return by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped or answered())
+        return by_pattern.ask(one, ceiling, Deadline(seconds), lambda: asking.stopped or answered(), reach)
 
     def found_down(value: float, bound: float) -> None:
         found_below[0] = value
@@ -311,7 +324,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
         try:
             searched = solve_cpsat(problem, nodes, stages, recompute=recompute, replicas=replicas, hint=hint, floor_seconds=floor,
                                    ceiling_seconds=best, time_limit=until.remaining(), workers=workers, progress=found_down,
-                                   stop=down, searching=searching)
+                                   stop=down, searching=searching, patterns=possible)
         finally:
             ended.set()
             asking.stop()  # the search down has ended: proven, or out of time
