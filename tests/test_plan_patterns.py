@@ -19,6 +19,7 @@ from test_plan import brute_force, chain_model, hand_costs, make_target, slow_li
 
 from onnxpipe.graph import load
 from onnxpipe.plan import build_problem
+from onnxpipe.plan.chainbound import chain_bound
 from onnxpipe.plan.coarsen import coarsen
 from onnxpipe.plan.cpsat import CpResult, held_ceiling_ns, solve_cpsat
 from onnxpipe.plan.deadline import Deadline
@@ -47,6 +48,16 @@ def test_the_patterns_are_every_sequence_of_groups_within_the_device_counts() ->
     # Twelve types of one device each: 12! patterns, found too many at once (not after 12**12 sequences); none at 13 stages.
     singles = _problem(make_target([(f"t{i}", 1, 1e12, 1e9) for i in range(12)]))
     assert patterns(singles, 12) is None and patterns(singles, 13) is None and patterns(problem, 4) is None
+    # Below a ceiling, at 8 stages over 4 + 4 devices (70 patterns, more than MOST) only those whose walk reaches it: none
+    # below the chain bound, one just above it, all far above; over 32 + 32 devices the walks take a step per replica
+    # count, too many to follow: None (none left out).
+    narrow = _problem(make_target([("a", 4, 1e12, 1e9), ("b", 4, 2e12, 1e9)]), 10)
+    bound = chain_bound(narrow, 8)
+    assert patterns(narrow, 8) is None and len(reachable(narrow, 8) or []) == 70
+    assert reachable(narrow, 8, bound * 0.999) == [] and len(reachable(narrow, 8, bound * 1.001) or []) == 1
+    assert patterns(narrow, 8, bound * 1.2) == reachable(narrow, 8, bound * 1.2) and len(reachable(narrow, 8, 2 * bound) or []) == 70
+    wide = _problem(make_target([("a", 32, 1e12, 1e9), ("b", 32, 2e12, 1e9)]), 10)
+    assert reachable(wide, 8, bound / 10) is None
 
 
 @settings(max_examples=8, deadline=None)

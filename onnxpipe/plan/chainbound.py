@@ -203,24 +203,28 @@ def fits_in_memory(problem: Problem, stages: int, replicas: bool = True) -> bool
     return _feasible(_chain_of(problem, replicas), stages, math.inf)
 
 
-#: The most walks `ending_prefixes` keeps at one stage before it gives up (None): a target of many device types.
-MOST_WALKS = 4096
+#: The most steps (a walk's next stage, on one group and replica count) `ending_prefixes` takes from one stage's walks
+#: before it gives up (None): many device types, or groups of many devices (8 stages over 4 + 4 devices: at most 1,024).
+MOST_STEPS = 4096
 
 
 def ending_prefixes(problem: Problem, stages: int, ceiling: float, replicas: bool = True) -> set[tuple[int, ...]] | None:
     """The sequences of device groups of a first few stages (each stage on one group) whose walk reaches the end within
     `ceiling`, later stages left empty: a plan whose stages' groups begin with none of them has no bottleneck within it,
-    since the walk of a plan on its own groups stays feasible (module docstring, 3-6). None when the walks at one stage
-    grow past `MOST_WALKS`. Kept per sequence of groups so far (`_feasible` merges them across sequences, so its bound
-    is the best sequence's); the walks of one sequence are merged into the farthest positions and the fewest devices
-    used of each group, which only lets more through."""
+    since the walk of a plan on its own groups stays feasible (module docstring, 3-6). None when the steps from one
+    stage's walks would be more than `MOST_STEPS`. Kept per sequence of groups so far (`_feasible` merges them across
+    sequences, so its bound is the best sequence's); the walks of one sequence are merged into the farthest positions
+    and the fewest devices used of each group, which only lets more through."""
     chain = _chain_of(problem, replicas)
     groups = range(len(chain.counts))
     devices = sum(chain.counts)
     ended: set[tuple[int, ...]] = set()
     #: groups so far -> (position in each group's work, devices used of each group)
     level: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[int, ...]]] = {(): ((0.0,) * len(chain.counts), (0,) * len(chain.counts))}
+    steps = sum(len(r) for r in chain.rungs)
     for j in range(stages):
+        if len(level) * steps > MOST_STEPS:
+            return None
         nxt: dict[tuple[int, ...], tuple[tuple[float, ...], tuple[int, ...]]] = {}
         spare = devices - (stages - j - 1)
         for prefix, (x, used) in level.items():
@@ -239,8 +243,6 @@ def ending_prefixes(problem: Problem, stages: int, ceiling: float, replicas: boo
                             used[:g] + (chain.floor[g][used[g] + lo],) + used[g + 1:])
                     kept = nxt.get(key)
                     nxt[key] = walk if kept is None else (tuple(map(max, kept[0], walk[0])), tuple(map(min, kept[1], walk[1])))
-        if len(nxt) > MOST_WALKS:
-            return None
         level = nxt
     return ended
 

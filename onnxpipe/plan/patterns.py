@@ -16,10 +16,11 @@ the best one's. So the questions and the search down are told those (CP-SAT's `p
 one of them, and each block's stages are narrowed to what they leave, `cpsat._windows`), a pattern that does not reach
 a question's ceiling is refuted without a search, and a question is asked pattern by pattern where those are few.
 ViT-B/16's export at 8 heterogeneous stages: 15 of the 70 reach its best plan's bottleneck, 5 a question 1.3% below.
-Measured side by side (one `onnxpipe plan` at a time, two runs each, the same plans and verdicts): ViT-B/16 2.2-2.9 s of
-solving instead of 3.4-3.7, Swin-T 2.5-3.1 instead of 4.4-6.4, BERT-base 4.6-5.3 instead of 5.8-6.9 at 8 heterogeneous
-stages; GPT-2's and LLaMA's (28 and 63 patterns reach theirs) within the runs' spread; T5-small's at 4 heterogeneous stages
-13.4-14.4 s instead of 19.6-19.7, BART-base's within the spread.
+Measured side by side (one planning process at a time, after and before in turn, the same plans and verdicts): ViT-B/16
+2.2-2.3 s of solving instead of 3.4-3.7, Swin-T 3.0-3.1 instead of 5.0-6.4, BERT-base 5.3 instead of 5.8-6.9 at 8
+heterogeneous stages; GPT-2's and LLaMA's (28 and 63 patterns reach theirs) within the runs' spread (4.0-4.9 s against
+3.8-4.7, 6.6-8.7 against 7.1-7.9); T5-small's at 4 heterogeneous stages 13.4-14.4 s instead of 19.6-19.7, BART-base's
+within the spread.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import itertools
 import math
 from collections.abc import Callable, Collection, Iterator
 
-from onnxpipe.plan.chainbound import MOST_WALKS, ending_prefixes
+from onnxpipe.plan.chainbound import ending_prefixes
 from onnxpipe.plan.cpsat import CpResult
 from onnxpipe.plan.deadline import Deadline
 from onnxpipe.pricing.problem import Problem
@@ -38,6 +39,8 @@ __all__ = ["Patterns", "patterns", "reachable", "sequences", "MOST"]
 
 #: The most patterns asked one at a time; more, and each question is asked over every type at once.
 MOST = 20
+#: The most patterns `reachable` lists; more, and CP-SAT is told none (its table of patterns would outgrow its use).
+MANY = 4096
 
 
 def patterns(problem: Problem, stages: int, ceiling: float = math.inf, replicas: bool = True) -> list[tuple[int, ...]] | None:
@@ -46,7 +49,7 @@ def patterns(problem: Problem, stages: int, ceiling: float = math.inf, replicas:
     return reachable(problem, stages, ceiling, replicas, MOST)
 
 
-def reachable(problem: Problem, stages: int, ceiling: float = math.inf, replicas: bool = True, most: int = MOST_WALKS) -> list[tuple[int, ...]] | None:
+def reachable(problem: Problem, stages: int, ceiling: float = math.inf, replicas: bool = True, most: int = MANY) -> list[tuple[int, ...]] | None:
     """The patterns of `stages` stages within the device counts whose chain walk reaches the end within `ceiling`
     (`chainbound.ending_prefixes`; every pattern where it is infinite): no plan of another pattern has a bottleneck within
     it. None where one device type or fixed groups leave no pattern to choose, the walks are too many to follow, or the
