@@ -110,7 +110,8 @@ class Patterns:
         """Whether any plan is within `ceiling`: `one(problem, seconds)` asks it of one pattern's problem. Each pattern not
         yet refuted there gets an even share of the time left (`until`); the first plan found answers, OPTIMAL only where
         no pattern's bound is below it (CP-SAT's verdict and bound for one pattern hold for that pattern's plans alone).
-        INFEASIBLE once every pattern is refuted; else UNKNOWN with the least bound any pattern has."""
+        INFEASIBLE once every pattern is refuted; else UNKNOWN with the least bound any pattern has. `reach`: the patterns
+        whose chain walk reaches the ceiling (`reachable`); the others are refuted there unasked."""
         started = until.clock()
         for p in self.refuted if reach is not None else ():
             if p not in reach:  # its walk does not fit within the ceiling (`reachable`): refuted without a search

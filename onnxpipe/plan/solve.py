@@ -238,9 +238,9 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds, and on
     several where the patterns reaching the best plan's bottleneck are few, each asked one pattern at a time, `plan.patterns`;
     otherwise bisecting), not before `hold` seconds. On several device types the search down and each question are told
-    the patterns whose chain walk reaches their ceiling (`plan.patterns.reachable`): no plan of another is within it. Each plan the search down finds is handed to the
-    questions, and where they aim ends the one being asked if it is at or below its ceiling (answered: moot, also one
-    whose model is still being built; asked by pattern, the patterns left go to the next question, below that plan:
+    the patterns whose chain walk reaches their ceiling (`plan.patterns.reachable`): no plan of another is within it.
+    Each plan the search down finds is handed to the questions, and where they aim ends the one being asked if it is at
+    or below its ceiling (answered: moot, also one whose model is still being built; asked by pattern, the patterns left go to the next question, below that plan:
     T5-small's export at 4 heterogeneous stages ran its first question on for 8.7 s after the search down had answered it.
     Where they bisect over every type, the next question's larger model slowed the search down more than it saved:
     LLaMA's export at 8 heterogeneous stages proven in 5.7-6.4 s instead of 3.9-4.7 s). Side by side because neither alone does both:
