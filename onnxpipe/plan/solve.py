@@ -36,7 +36,7 @@ from onnxpipe.plan.deadline import Deadline
 from onnxpipe.plan.dp import intervals, solve_dp
 from onnxpipe.plan.evaluate import evaluate, fits, placed, within
 from onnxpipe.plan.layout import EXACT_REPLICAS, Layout, to_assignment
-from onnxpipe.plan.patterns import MOST, Patterns, patterns, reachable
+from onnxpipe.plan.patterns import MOST, Patterns, reachable
 from onnxpipe.plan.probe import Probed, close, probe
 from onnxpipe.pricing.problem import Problem
 from onnxpipe.plan.result import Plan, SolveInfo
@@ -169,10 +169,8 @@ def solve(
     nodes, proof = blocks, result
     if proving and not deadline.passed() and (least := _choose(problem, found)) is not None:
         nodes = coarsen(problem, problem.n)
-        few = patterns(problem, stages, _held(least.bottleneck_seconds, nodes), replicas)
-        hold = _LEAST_SHARE * deadline.remaining() * (1.0 if few is not None else _AIMED_HOLD)
         proof = _prove(problem, nodes, _layout_of(problem, least, nodes, replicas), least, stages, recompute, replicas, bound.seconds,
-                       deadline, report, hold=hold)
+                       deadline, report, hold=_LEAST_SHARE * deadline.remaining(), unpatterned=_AIMED_HOLD)
         if proof.layout is not None:
             found.append(evaluate(problem, to_assignment(problem, nodes, proof.layout), replicas=replicas, bounds=bounds))
     best = _choose(problem, found, by_iteration)
@@ -230,14 +228,14 @@ def _coarse_seconds(deadline: Deadline, coarsened: bool, proving: bool) -> float
 
 def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, stages: int, recompute: str, replicas: bool, floor: float,
            until: Deadline, report: Callable[[str], None], hold: float, progress: Callable[[float, float], None] | None = None,
-           searching: threading.Event | None = None) -> CpResult:
+           searching: threading.Event | None = None, unpatterned: float = 1.0) -> CpResult:
     """CP-SAT node by node down from the plan `least` (`hint`, its layout over `nodes`, when they can express it), its
     bottleneck the ceiling, and beside it in a second thread questions below that plan (`probe`), both until
     `until`: a better plan if there is one, and a bound that holds for every plan (proven optimal when it closes).
     The search down ends the questions when it ends; the questions end it once they have proven its plan within
     `probe.CLOSE` (aiming there first on one device type, where CP-SAT refutes such a question in seconds, and on
     several where the patterns reaching the best plan's bottleneck are few, each asked one pattern at a time, `plan.patterns`;
-    otherwise bisecting), not before `hold` seconds. On several device types the search down and each question are told
+    otherwise bisecting), not before `hold` seconds (`unpatterned` of it where they are not asked by pattern). On several device types the search down and each question are told
     the patterns whose chain walk reaches their ceiling (`plan.patterns.reachable`): no plan of another is within it.
     Each plan the search down finds is handed to the questions, and where they aim ends the one being asked if it is at
     or below its ceiling (answered: moot, also one whose model is still being built; asked by pattern, the patterns left go to the next question, below that plan:
@@ -262,6 +260,7 @@ def _prove(problem: Problem, nodes: Blocks, hint: Layout | None, least: Plan, st
     possible = reachable(problem, stages, _held(best, nodes), replicas)
     few = possible if possible is not None and len(possible) <= MOST else None
     by_pattern = Patterns(problem, few, hint.groups if hint is not None else ()) if few is not None else None
+    hold *= 1.0 if by_pattern is not None else unpatterned
     aim = one_type or by_pattern is not None
     asked_below = [math.inf]  # the ceiling of the question being asked
     found_below = [best]  # the bottleneck of the last (best) plan the search down has found
