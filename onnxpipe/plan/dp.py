@@ -192,7 +192,7 @@ def _stage_times(problem, blocks, table, prefix, cache, g, r, gp, gn, flight, re
     whole-matrix steps (the DP over BERT-base's export node by node at 8 heterogeneous stages: 132 of them). Where every
     stage keeps its activations within memory (`_Fits.binding` False) a choice's times are those kept times themselves,
     not a copy, and recomputing times are made only where some stage needs them: node by node at 8 heterogeneous stages
-    the DP took 52 MiB over BERT-base's export (439 nodes) instead of 83, 64 over ViT-B/16's (500) instead of 103."""
+    the DP took 52 MiB over BERT-base's export (439 nodes) instead of 83, 64 over ViT-B/16's (500) instead of 104."""
     key = (g, r, gp, gn, flight, recompute, with_choice)
     if key in cache:
         return cache[key]
