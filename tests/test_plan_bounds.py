@@ -399,16 +399,16 @@ def test_it_charges_what_a_cut_must_carry_where_the_link_is_slow(mode: str) -> N
     assert chain_bound(problem, 2) == pytest.approx(optimum(problem, 2), rel=1e-5)
 
 
+def small_model(name: str, nodes: list[tuple[str, list[str]]], output: str) -> onnx.ModelProto:
+    """A model of the named nodes, each a Relu of one tensor or an Add of two, over an input x of [2, 4]."""
+    made = [helper.make_node("Relu" if len(reads) == 1 else "Add", reads, [n], name=n) for n, reads in nodes]
+    io = [helper.make_tensor_value_info(t, TensorProto.FLOAT, [2, 4]) for t in ("x", output)]
+    return helper.make_model(helper.make_graph(made, name, io[:1], io[1:]), opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def fork_model() -> onnx.ModelProto:
     """a -> (b | c) -> d: b and c side by side, one segment."""
-    nodes = [
-        helper.make_node("Relu", ["x"], ["a"], name="a"),
-        helper.make_node("Relu", ["a"], ["b"], name="b"),
-        helper.make_node("Relu", ["a"], ["c"], name="c"),
-        helper.make_node("Add", ["b", "c"], ["d"], name="d"),
-    ]
-    io = [helper.make_tensor_value_info(t, TensorProto.FLOAT, [2, 4]) for t in ("x", "d")]
-    return helper.make_model(helper.make_graph(nodes, "fork", io[:1], io[1:]), opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return small_model("fork", [("a", ["x"]), ("b", ["a"]), ("c", ["a"]), ("d", ["b", "c"])], "d")
 
 
 @pytest.mark.parametrize("mode", ["training", "inference"])
@@ -427,15 +427,7 @@ def test_a_stage_ends_where_a_downset_of_its_segment_ends(mode: str) -> None:
 
 def skip_model() -> onnx.ModelProto:
     """p -> a -> n -> m -> z, and z also reads a: a residual around n and m, as around a transformer's sublayer."""
-    nodes = [
-        helper.make_node("Relu", ["x"], ["p"], name="p"),
-        helper.make_node("Relu", ["p"], ["a"], name="a"),
-        helper.make_node("Relu", ["a"], ["n"], name="n"),
-        helper.make_node("Relu", ["n"], ["m"], name="m"),
-        helper.make_node("Add", ["m", "a"], ["z"], name="z"),
-    ]
-    io = [helper.make_tensor_value_info(t, TensorProto.FLOAT, [2, 4]) for t in ("x", "z")]
-    return helper.make_model(helper.make_graph(nodes, "skip", io[:1], io[1:]), opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return small_model("skip", [("p", ["x"]), ("a", ["p"]), ("n", ["a"]), ("m", ["n"]), ("z", ["m", "a"])], "z")
 
 
 @pytest.mark.parametrize("mode", ["training", "inference"])
