@@ -152,7 +152,7 @@ def segments(problem: Problem) -> Segments:
         if len(_CACHE) >= _CACHED_GRAPHS:
             _CACHE.pop(next(iter(_CACHE)))
         of, count = max((_cut(ancestors, dropped) for dropped in (0, unreached)), key=lambda cut: cut[1])
-        _CACHE[key] = Segments(of=of, count=count, downsets=tuple(_downsets(ancestors, np.flatnonzero(of == i)) for i in range(count)))
+        _CACHE[key] = Segments(of=of, count=count, downsets=tuple(_downsets(ancestors, nodes) for nodes in _members(of, count)))
     return _CACHE[key]
 
 
@@ -328,13 +328,12 @@ class _Chain:
         self.atomic = (np.bincount(of, minlength=self.m) == 1).tolist()
         #: Per group and segment: the work on the group of each of the segment's downsets but the whole segment, ascending;
         #: None where they are too many to list (`Segments.downsets`).
-        order = np.argsort(of, kind="stable")
-        bounds = np.searchsorted(of[order], np.arange(self.m + 1))
-        self.attained = [[None if d is None else _short_of_whole(d @ work[g][order[bounds[i]:bounds[i + 1]]])
-                          for i, d in enumerate(segs.downsets)] for g in groups]
+        members = _members(of, self.m)
+        self.attained = [[None if d is None else _short_of_whole(d @ work[g][nodes]) for d, nodes in zip(segs.downsets, members)]
+                         for g in groups]
         #: Per ordered pair of groups (g, h) and segment: the knapsack of `switch`, cumulative work on g and on h of
         #: the segment's nodes, most work on h per work on g first.
-        self.knapsack = {(g, h): _knapsacks(of, work[g], work[h], self.m) for g in groups for h in groups if g != h}
+        self.knapsack = {(g, h): _knapsacks(members, work[g], work[h]) for g in groups for h in groups if g != h}
         latency = problem.latency
         ok = problem.stage_links
         self.lat_in = [min((float(latency[h, g]) for h in groups if ok[g][h]), default=0.0) for g in groups]
@@ -546,14 +545,18 @@ def _feasible(chain: _Chain, stages: int, t: float, deadline: Deadline | None = 
     return False
 
 
-def _knapsacks(of: np.ndarray, on_g: np.ndarray, on_h: np.ndarray, segments: int) -> list[tuple[list[float], list[float]]]:
-    """Per segment: cumulative work on g and on h of its nodes (from 0.0), in order of most work on h per work on g
-    (nodes with none on g first)."""
-    out = []
+def _members(of: np.ndarray, segments: int) -> list[np.ndarray]:
+    """Per segment, the positions of its nodes in `of` (a segment index per node; -1, a dropped node, in none), in order."""
     order = np.argsort(of, kind="stable")
     bounds = np.searchsorted(of[order], np.arange(segments + 1))
-    for i in range(segments):
-        nodes = order[bounds[i]:bounds[i + 1]]
+    return [order[bounds[i]:bounds[i + 1]] for i in range(segments)]
+
+
+def _knapsacks(members: list[np.ndarray], on_g: np.ndarray, on_h: np.ndarray) -> list[tuple[list[float], list[float]]]:
+    """Per segment (`members`): cumulative work on g and on h of its nodes (from 0.0), in order of most work on h per work
+    on g (nodes with none on g first)."""
+    out = []
+    for nodes in members:
         a, b = on_g[nodes], on_h[nodes]
         ratio = np.divide(b, a, out=np.full(len(a), np.inf), where=a > 0)
         rank = np.argsort(-ratio, kind="stable")
