@@ -445,6 +445,27 @@ def test_a_stage_holding_a_one_node_segment_pays_what_that_node_sends(mode: str)
     assert chain_bound(problem, 2) == pytest.approx(optimum(problem, 2), rel=1e-5)
 
 
+def sends_model() -> onnx.ModelProto:
+    """p -> (b | c), z1 reads b, z2 reads z1 and c: b, c and z1 one segment, whose downset {b, c} sends two tensors."""
+    return small_model("sends", [("p", ["x"]), ("b", ["p"]), ("c", ["p"]), ("z1", ["b"]), ("z2", ["z1", "c"])], "z2")
+
+
+@pytest.mark.parametrize("mode", ["training", "inference"])
+def test_a_stage_ending_inside_a_segment_pays_what_its_own_end_sends(mode: str) -> None:
+    # Work 1, 2, 2, 0.5 and 4.5 units on two devices, a message one unit: the best plan ends its first stage after b and c,
+    # sending both (7 units), or after z1, sending z1 and c (7.5). Charged the least any end of the segment sends (p's
+    # output alone), either stage was one unit cheaper and the bound 6 units, a seventh below the optimum.
+    graph = load(sends_model())
+    costs = mixed_costs(graph, [1e9, 2e9, 2e9, 5e8, 4.5e9])
+    unit = build_problem(graph, costs, one_group_target(2, 1e-6, 1e12), batch=graph.batch * 2, microbatches=2, mode=mode)
+    work = unit.forward[0][0] + unit.backward[0][0]
+    problem = build_problem(graph, costs, one_group_target(2, 1e-6, unit.tensor_bytes[1] / work), batch=graph.batch * 2,
+                            microbatches=2, mode=mode)
+    assert segments(problem).count == 3
+    assert optimum(problem, 2) == pytest.approx(7 * work, rel=1e-3)
+    assert chain_bound(problem, 2) == pytest.approx(optimum(problem, 2), rel=1e-5)
+
+
 def varied_model(data: st.DataObject) -> onnx.ModelProto:
     """3 to 5 nodes, each a MatMul to a narrow or wide tensor, or a Concat of two of the last three tensors: cuts carry
     tensors of several sizes, parallel branches make segments of several nodes."""

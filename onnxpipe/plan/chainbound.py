@@ -2,8 +2,8 @@
 contiguous and runs on one device group, which the fractional work bound does not.
 
 Reading order: `Segments` / `segments` (graph only, cached) -> `chain_bound` -> `_Chain` (per problem, cached: `_chain_of`)
--> `_feasible` (the DP for one T) -> `_Chain.reach` -> `_Chain._reach_paying`; `_Cuts` / `_cuts` (per problem, cached)
--> `_least_cut` -> `_Messages` -> `_Priced`.
+-> `_feasible` (the DP for one T) -> `_Chain.reach` -> `_Chain._reach_paying` -> `_Chain._stop`; `_Cuts` / `_cuts` (per
+problem, cached) -> `_least_cut` -> `_ends` -> `_Messages` -> `_Messages.stops` -> `_Priced`.
 
 Why it is valid:
 
@@ -55,21 +55,33 @@ Why it is valid:
    before (a downset of the segment, maybe empty), so it receives at least what that rest reads from before the segment
    or from D (`_Cuts.into`: a minimum cut over D, and no less than what its first node reads); and it holds a last node
    of segment j - 1 and a part E of segment j (a downset, maybe empty, never all of it), so it sends at least what those
-   write that is read outside E (`_Cuts.out`: a minimum cut over E, and no less than what its last node writes); and it
-   holds the segments between i and j whole, so it also receives every tensor written before segment i that one of them
-   reads (and segment i does not), and sends every tensor written in one of them but the last that a segment after j
-   reads (`_Skips`: the residual stream around a normalisation, an attention mask). If
-   i = j, it receives what its first node reads and sends what its last node writes (`_Cuts.first`, `last`). Only what
-   kept nodes write counts (a dropped node may sit in any stage; what a kept node writes only kept nodes read). The
-   walk's start is at or past the plan's (3), whose stage may start in an earlier segment i'; it then also does the work
-   from the end of i' to the walk's start, and that of a last node of i', which the charge takes off
+   write that is read outside E (`_Cuts.out`: a minimum cut over E, and no less than what its last node writes); where
+   the walk's start is at or before segment j - 1's, the plan's stage holds all of it, and what every node of it writes
+   that segment j or a later one reads counts (`_Cuts.whole`); and it holds the segments between i and j whole, so it also
+   receives every tensor written before segment i that one of them reads (and segment i does not), and sends every tensor
+   written in one of them but the last that a segment after j reads (`_Skips`: the residual stream around a
+   normalisation, an attention mask). Where segment j's downsets are listed, each E is charged its own sends
+   (`_Cuts.ends`): the stage ends at the farthest E whose work and sends fit (`_Messages.stops`; an E both nearer and
+   dearer than another never does), where the least over E charged every end alike (a stage of BERT-base's export ending
+   after a layer's query and key projections sends both and the layer norm's output that the value projection reads, not
+   one tensor; one holding the whole segment before the attention node sends the values and the attention probabilities,
+   not the smaller alone). If i = j, it receives what its first node reads and sends what its last node writes
+   (`_Cuts.first`, `last`), and ends before the segment's end (one holding it whole ends in a later segment, charged
+   there); starting at the segment's start, the plan's stage starts there too (it receives what its first node reads and
+   sends what E writes that is read outside E) or in an earlier segment (it holds a last node of segment j - 1 and E).
+   Only what kept nodes write counts (a dropped node may sit in any stage; what a kept node writes only kept nodes read).
+   The walk's start is at or past the plan's (3), whose stage may start in an earlier segment i'; it then also does the
+   work from the end of i' to the walk's start, and that of a last node of i', which the charge takes off
    (`_Priced.skipped`; the tensors skipping segment i' are not counted then). Only where every node takes time on the
    group do positions tell which segments are done: elsewhere its stages pay latencies alone. The charge changes with
    the end's segment, so the farthest end is found segment by segment down from (3)'s reach, which it never exceeds. A
    stage ending in a one-node segment holds none of it (E is empty), so it ends at that segment's start: one holding the
    node whole ends in a later segment and pays that one's charge, what the node sends included (charged as ending inside
    the segment, a stage of GPT-2's export ending after a layer norm was charged for the norm's input alone, not for both
-   tensors it must send: the bound at 8 heterogeneous stages rose 0.33%, to 34.60 ms of the optimal 35.34).
+   tensors it must send: the bound at 8 heterogeneous stages rose 0.33%, to 34.60 ms of the optimal 35.34). With each end
+   charged its own sends, GPT-2's bound there is 34.90 ms, LLaMA's 29.49 (29.01 before; optimal 30.76), BERT-base's
+   22.92 (22.57; optimal 24.41), and fewer patterns of device types reach the optimal plans (LLaMA 47 of 70 instead of
+   61, BERT-base 31 instead of 35).
 6. The bound holds for the plans that fit in memory. Each device of a stage holds every node of the segments the stage
    covers whole: their parameter state and at least one micro-batch of their activations (every replica holds the
    state, and a recomputing stage still holds one micro-batch's activations: `pricing.stage`), within its group's
@@ -413,15 +425,35 @@ class _Chain:
             return float(m)
         for j in range(min(int(farthest), m - 1), first - 1, -1):
             if j > first:
-                sent = paid.out[j] + paid.sending(skips.held(first, j), r)
-                charge = min(paid.into[first] + paid.receiving(skips.past(first, j), r), later) + sent
+                received = min(paid.into[first] + paid.receiving(skips.past(first, j), r), later) + paid.sending(skips.held(first, j), r)
+                held = a <= j - 1  # the plan's stage starts before segment j - 1 too: it holds it whole
+                stops = messages.stops(paid, r, j, "whole" if held else "sink")
+                if stops is not None:
+                    end = self._stop(g, r, j, stops, t - received - self._cost(g, r, a, float(j), True))
+                    if end is not None:
+                        return max(a, min(end, farthest))
+                    continue
+                charge = received + (paid.whole if held else paid.out)[j]
+            elif a == j and (stops := messages.stops(paid, r, j, "sink")) is not None:
+                # Starting at the segment's start, the plan's stage holds nothing before it, or started in an earlier segment.
+                alone = messages.stops(paid, r, j, "none")
+                assert alone is not None
+                ends = [self._stop(g, r, j, alone, t - paid.first_in[j]), self._stop(g, r, j, stops, t - later)]
+                return min(max([e for e in ends if e is not None], default=a), farthest)
             else:
                 charge = min(paid.inside[j], later + paid.out[j])
             y = self._solve(g, r, a, t - charge, True)
             if y >= j:
                 # A one-node segment is held whole or not at all: whole, the stage ends in a later segment, charged there.
-                return max(a, float(j)) if self.atomic[j] else min(y, j + 1.0, farthest)
+                return max(a, float(j)) if self.atomic[j] else min(y, math.nextafter(j + 1.0, j), farthest)
         return a
+
+    def _stop(self, g: int, r: int, j: int, stops: tuple[np.ndarray, np.ndarray], budget: float) -> float | None:
+        """The farthest end of segment j among `stops` (`_Messages.stops`) whose own work and messages fit in `budget`; None
+        if none does."""
+        work, cost = stops
+        k = int(np.searchsorted(-cost, -budget, side="left"))
+        return j + work[k] * r / self.seg[g][j] if k < len(work) else None
 
     def _attained(self, g: int, a: float, y: float) -> float:
         """`y` rounded down to where a downset of its segment ends, in g's work (never below `a`): a stage's end holds one
@@ -615,6 +647,23 @@ class _Cuts:
     #: before segment i, not read in it and read in a segment before j (`_Skips.past`); and sends every tensor written in
     #: a segment it holds whole before j - 1 and read after j (`_Skips.held`).
     skips: _Skips
+    #: As `out`, for a stage that holds segment j - 1 whole (it started before it): what every node of it writes counts.
+    whole: np.ndarray
+    #: Per segment j > 0 whose downsets are listed, what a stage ending at each of them sends; None elsewhere.
+    ends: tuple[_Ends | None, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _Ends:
+    """The proper downsets E of a segment j (rows over its `nodes`), and per E the least (bytes, count) a stage ending with
+    E sends: what E and what the stage holds before segment j write that is read outside E, by what it holds there."""
+
+    nodes: np.ndarray
+    rows: np.ndarray
+    #: "sink": a last node of segment j - 1 (each at least `_Cuts.out`); "whole": all of segment j - 1 (at least
+    #: `_Cuts.whole`); "none": nothing (the stage starts at segment j's start; E not empty: at least what its last node
+    #: writes).
+    sends: dict[str, np.ndarray]
 
 
 _CUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -650,7 +699,7 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
 
     first = np.array([least(reads, members[i]) for i in range(m)]).T
     last = np.array([least(writes, members[i]) for i in range(m)]).T
-    into, out = first.copy(), np.zeros((2, m))
+    into, out, whole = first.copy(), np.zeros((2, m)), np.zeros((2, m))
     sinks = [_sinks(nodes, writes, of) for nodes in members]
     memo: dict[tuple, float] = {}
     for i in range(m):
@@ -666,8 +715,41 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         sent = min(_least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in writes[s]), *(_Term(t.producer, t, t.last > i) for t in made)],
                               memo) if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in sinks[i - 1])
         out[0, i] = max(out[0, i], sent)
-    return _Cuts(into=into, out=out, first=first, last=last, sinks=tuple(map(tuple, sinks)),
-                 skips=_Skips(tensors, of, m))
+        # Segment i - 1 whole and any part of segment i: every tensor crossing into segment i or past it from i - 1 too.
+        crossing = [t for v in members[i - 1] for t in writes[v] if t.last >= i]
+        whole[:, i] = out[:, i]
+        whole[0, i] = max(out[0, i], _least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in crossing),
+                                                            *(_Term(t.producer, t, t.last > i) for t in made)], memo)
+                          if len(members[i]) > 1 else sum(t.nbytes for t in crossing))
+    ends = tuple(None if i == 0 or segs.downsets[i] is None else _ends(members, segs.downsets[i], writes, sinks[i - 1], out[:, i], whole[:, i], last[:, i], i, of)
+                 for i in range(m))
+    return _Cuts(into=into, out=out, whole=whole, first=first, last=last, sinks=tuple(map(tuple, sinks)),
+                 skips=_Skips(tensors, of, m), ends=ends)
+
+
+def _ends(members: list[list[int]], downsets: np.ndarray, writes: list[list[_Tensor]], sinks: list[int], least: np.ndarray,
+          whole: np.ndarray, last: np.ndarray, i: int, of: np.ndarray) -> _Ends:
+    """`_Cuts.ends` of segment i: a tensor counts when its producer is held (in E, or before segment i) and it is read after
+    segment i or by a node of it outside E."""
+    nodes = members[i]
+    rows = downsets[~downsets.all(axis=1)]
+    local = {v: n for n, v in enumerate(nodes)}
+
+    def sent(tensors: list[_Tensor]) -> np.ndarray:
+        total = np.zeros((2, len(rows)))
+        for t in tensors:
+            inside = [local[c] for c in t.readers if of[c] == i]
+            counts = np.ones(len(rows), dtype=bool) if t.last > i else ~rows[:, inside].all(axis=1)
+            if t.producer in local:
+                counts &= rows[:, local[t.producer]]
+            total += np.array([t.nbytes, 1.0])[:, None] * counts
+        return total
+
+    made = sent([t for v in nodes for t in writes[v]])
+    one = np.min([sent(writes[s]) for s in sinks], axis=0)
+    every = sent([t for v in members[i - 1] for t in writes[v] if t.last >= i])
+    return _Ends(np.asarray(nodes), rows, {"sink": np.maximum(made + one, least[:, None]), "whole": np.maximum(made + every, whole[:, None]),
+                                           "none": np.where(rows.any(axis=1), np.maximum(made, last[:, None]), made)})
 
 
 class _Skips:
@@ -800,7 +882,10 @@ class _Messages:
         # Work on the group up to each segment's end, less the least work of a node that a stage starting inside the segment
         # and ending past it holds (one of its last nodes).
         self.ends = np.asarray(prefix[1:]) - np.array([min(work[v] for v in sinks) for sinks in cuts.sinks])
+        #: Per segment with listed ends (`_Cuts.ends`): the work on the group of each of its proper downsets.
+        self.held = [None if e is None else e.rows @ work[e.nodes] for e in cuts.ends]
         self._priced: dict[tuple[int, tuple[bool, ...], tuple[bool, ...]], _Priced] = {}
+        self._stops: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def __call__(self, r: int, before: tuple[bool, ...], after: tuple[bool, ...]) -> _Priced:
         key = (r, before, after)
@@ -814,8 +899,27 @@ class _Messages:
             early = np.minimum.accumulate(into - self.ends / r)
             self._priced[key] = _Priced(into.tolist(), _seconds(cuts.out, link_out, r).tolist(),
                                         (_seconds(cuts.first, link_in, r) + _seconds(cuts.last, link_out, r)).tolist(),
-                                        [math.inf, *early.tolist()], link_in, link_out)
+                                        [math.inf, *early.tolist()], link_in, link_out, _seconds(cuts.whole, link_out, r).tolist(),
+                                        _seconds(cuts.first, link_in, r).tolist())
         return self._priced[key]
+
+    def stops(self, paid: _Priced, r: int, j: int, held: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The ends a stage of r replicas priced as `paid` may stop at in segment j, as (work / r on the group into the
+        segment, that plus what it sends), the first descending, the second too (an end both nearer and dearer never stops
+        one); None where the segment's ends are not listed. `held`: what the stage holds before the segment (`_Ends.sends`).
+        Found when first asked for."""
+        ends = self.cuts.ends[j]
+        if ends is None:
+            return None
+        key = (r, paid.link_out, j, held)
+        if key not in self._stops:
+            work = self.held[j] / r
+            cost = work + _seconds(ends.sends[held], paid.link_out, r)
+            order = np.lexsort((cost, -work))
+            work, cost = work[order], cost[order]
+            keep = cost < np.minimum.accumulate(np.concatenate(([np.inf], cost[:-1])))
+            self._stops[key] = work[keep], cost[keep]
+        return self._stops[key]
 
     def _link(self, links: list[tuple[int, int]]) -> tuple[float, float]:
         """The least latency and the most bandwidth of `links` (none: messages cost nothing)."""
@@ -837,6 +941,10 @@ class _Priced:
     #: (latency, bandwidth) of the cheapest messages in and out.
     link_in: tuple[float, float]
     link_out: tuple[float, float]
+    #: `out` for a stage that holds the segment before whole.
+    whole: list[float]
+    #: What a stage starting at the segment's start receives.
+    first_in: list[float]
 
     def receiving(self, messages: tuple[float, int], r: int) -> float:
         """Seconds that (bytes, count) of messages in cost a stage of r replicas."""
