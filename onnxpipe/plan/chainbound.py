@@ -721,35 +721,45 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         whole[0, i] = max(out[0, i], _least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in crossing),
                                                             *(_Term(t.producer, t, t.last > i) for t in made)], memo)
                           if len(members[i]) > 1 else sum(t.nbytes for t in crossing))
-    ends = tuple(None if i == 0 or segs.downsets[i] is None else _ends(members, segs.downsets[i], writes, sinks[i - 1], out[:, i], whole[:, i], last[:, i], i, of)
+    shapes: dict[tuple, tuple] = {}
+    ends = tuple(None if i == 0 or segs.downsets[i] is None else _ends(members, segs.downsets[i], writes, sinks[i - 1], out[:, i], whole[:, i], last[:, i], i, of, shapes)
                  for i in range(m))
     return _Cuts(into=into, out=out, whole=whole, first=first, last=last, sinks=tuple(map(tuple, sinks)),
                  skips=_Skips(tensors, of, m), ends=ends)
 
 
 def _ends(members: list[list[int]], downsets: np.ndarray, writes: list[list[_Tensor]], sinks: list[int], least: np.ndarray,
-          whole: np.ndarray, last: np.ndarray, i: int, of: np.ndarray) -> _Ends:
+          whole: np.ndarray, last: np.ndarray, i: int, of: np.ndarray, memo: dict[tuple, tuple]) -> _Ends:
     """`_Cuts.ends` of segment i: a tensor counts when its producer is held (in E, or before segment i) and it is read after
-    segment i or by a node of it outside E."""
+    segment i or by a node of it outside E. Segments of the same shape (a model's layers) are counted once: what the
+    segment's own tensors are (their producers and readers in it) also fixes its downsets."""
     nodes = members[i]
-    rows = downsets[~downsets.all(axis=1)]
     local = {v: n for n, v in enumerate(nodes)}
 
-    def sent(tensors: list[_Tensor]) -> np.ndarray:
-        total = np.zeros((2, len(rows)))
-        for t in tensors:
-            inside = [local[c] for c in t.readers if of[c] == i]
-            counts = np.ones(len(rows), dtype=bool) if t.last > i else ~rows[:, inside].all(axis=1)
-            if t.producer in local:
-                counts &= rows[:, local[t.producer]]
-            total += np.array([t.nbytes, 1.0])[:, None] * counts
-        return total
+    def shape(tensors: list[_Tensor]) -> tuple:
+        return tuple((local.get(t.producer, -1), tuple(local[c] for c in t.readers if of[c] == i), t.last > i, t.nbytes) for t in tensors)
 
-    made = sent([t for v in nodes for t in writes[v]])
-    one = np.min([sent(writes[s]) for s in sinks], axis=0)
-    every = sent([t for v in members[i - 1] for t in writes[v] if t.last >= i])
-    return _Ends(np.asarray(nodes), rows, {"sink": np.maximum(made + one, least[:, None]), "whole": np.maximum(made + every, whole[:, None]),
-                                           "none": np.where(rows.any(axis=1), np.maximum(made, last[:, None]), made)})
+    made = shape([t for v in nodes for t in writes[v]])
+    key = (len(nodes), made, tuple(shape(writes[s]) for s in sinks), shape([t for v in members[i - 1] for t in writes[v] if t.last >= i]),
+           tuple(least), tuple(whole), tuple(last))
+    if key not in memo:
+        rows = downsets[~downsets.all(axis=1)]
+
+        def sent(tensors: tuple) -> np.ndarray:
+            total = np.zeros((2, len(rows)))
+            for producer, inside, beyond, nbytes in tensors:
+                counts = np.ones(len(rows), dtype=bool) if beyond else ~rows[:, list(inside)].all(axis=1)
+                if producer >= 0:
+                    counts &= rows[:, producer]
+                total += np.array([nbytes, 1.0])[:, None] * counts
+            return total
+
+        own = sent(made)
+        one = np.min([sent(tensors) for tensors in key[2]], axis=0)
+        memo[key] = rows, {"sink": np.maximum(own + one, least[:, None]), "whole": np.maximum(own + sent(key[3]), whole[:, None]),
+                           "none": np.where(rows.any(axis=1), np.maximum(own, last[:, None]), own)}
+    rows, sends = memo[key]
+    return _Ends(np.asarray(nodes), rows, sends)
 
 
 class _Skips:
