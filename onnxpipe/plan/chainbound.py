@@ -722,7 +722,8 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
                                                             *(_Term(t.producer, t, t.last > i) for t in made)], memo)
                           if len(members[i]) > 1 else sum(t.nbytes for t in crossing))
     shapes: dict[tuple, tuple] = {}
-    ends = tuple(None if i == 0 or segs.downsets[i] is None else _ends(members, segs.downsets[i], writes, sinks[i - 1], out[:, i], whole[:, i], last[:, i], i, of, shapes)
+    ends = tuple(None if i == 0 or segs.downsets[i] is None
+                 else _ends(members, segs.downsets[i], writes, sinks[i - 1], out[:, i], whole[:, i], last[:, i], i, of, shapes)
                  for i in range(m))
     return _Cuts(into=into, out=out, whole=whole, first=first, last=last, sinks=tuple(map(tuple, sinks)),
                  skips=_Skips(tensors, of, m), ends=ends)
