@@ -430,17 +430,22 @@ def skip_model() -> onnx.ModelProto:
     return small_model("skip", [("p", ["x"]), ("a", ["p"]), ("n", ["a"]), ("m", ["n"]), ("z", ["m", "a"])], "z")
 
 
+def on_a_slow_link(graph, flops: list[float], node: int, messages: float, mode: str):  # type: ignore[no-untyped-def]
+    """The graph's problem on two devices whose link sends each tensor (all of one size) in `messages` times the work
+    of `node` (forward and backward), and that work."""
+    costs = mixed_costs(graph, flops)
+    unit = build_problem(graph, costs, one_group_target(2, 1e-6, 1e12), batch=graph.batch * 2, microbatches=2, mode=mode)
+    work = unit.forward[0][node] + unit.backward[0][node]
+    target = one_group_target(2, 1e-6, unit.tensor_bytes[1] / (messages * work))
+    return build_problem(graph, costs, target, batch=graph.batch * 2, microbatches=2, mode=mode), work
+
+
 @pytest.mark.parametrize("mode", ["training", "inference"])
 def test_a_stage_holding_a_one_node_segment_pays_what_that_node_sends(mode: str) -> None:
     # Five one-node segments of 1, 1, 2, 2 and 1 units on two devices, a message a quarter of 2 units: the best plan cuts
     # after n, its first stage sending both n and the residual a. Charged as ending inside n's segment, that stage sent a
     # alone and the bound was 5.6% below the optimum.
-    graph = load(skip_model())
-    costs = mixed_costs(graph, [5e8, 5e8, 1e9, 1e9, 5e8])
-    unit = build_problem(graph, costs, one_group_target(2, 1e-6, 1e12), batch=graph.batch * 2, microbatches=2, mode=mode)
-    work = unit.forward[0][2] + unit.backward[0][2]
-    problem = build_problem(graph, costs, one_group_target(2, 1e-6, unit.tensor_bytes[1] / (0.25 * work)), batch=graph.batch * 2,
-                            microbatches=2, mode=mode)
+    problem, _ = on_a_slow_link(load(skip_model()), [5e8, 5e8, 1e9, 1e9, 5e8], 2, 0.25, mode)
     assert segments(problem).count == 5
     assert chain_bound(problem, 2) == pytest.approx(optimum(problem, 2), rel=1e-5)
 
@@ -455,12 +460,7 @@ def test_a_stage_ending_inside_a_segment_pays_what_its_own_end_sends(mode: str) 
     # Work 1, 2, 2, 0.5 and 4.5 units on two devices, a message one unit: the best plan ends its first stage after b and c,
     # sending both (7 units), or after z1, sending z1 and c (7.5). Charged the least any end of the segment sends (p's
     # output alone), either stage was one unit cheaper and the bound 6 units, a seventh below the optimum.
-    graph = load(sends_model())
-    costs = mixed_costs(graph, [1e9, 2e9, 2e9, 5e8, 4.5e9])
-    unit = build_problem(graph, costs, one_group_target(2, 1e-6, 1e12), batch=graph.batch * 2, microbatches=2, mode=mode)
-    work = unit.forward[0][0] + unit.backward[0][0]
-    problem = build_problem(graph, costs, one_group_target(2, 1e-6, unit.tensor_bytes[1] / work), batch=graph.batch * 2,
-                            microbatches=2, mode=mode)
+    problem, work = on_a_slow_link(load(sends_model()), [1e9, 2e9, 2e9, 5e8, 4.5e9], 0, 1.0, mode)
     assert segments(problem).count == 3
     assert optimum(problem, 2) == pytest.approx(7 * work, rel=1e-3)
     assert chain_bound(problem, 2) == pytest.approx(optimum(problem, 2), rel=1e-5)
