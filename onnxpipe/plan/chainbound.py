@@ -336,8 +336,6 @@ class _Chain:
         self.memory = [[0.0, *np.cumsum(held * t).tolist()] for t in timed]
         self.capacity = problem.capacity.tolist()
         self.seg = [w.tolist() for w in self.seg_work]
-        #: Segments of one node: a stage holds all of it or none (its positions stay whole).
-        self.atomic = (np.bincount(of, minlength=self.m) == 1).tolist()
         #: Per group and segment: the work on the group of each of the segment's downsets but the whole segment, ascending;
         #: None where they are too many to list (`Segments.downsets`).
         members = _members(of, self.m)
@@ -444,8 +442,9 @@ class _Chain:
                 charge = min(paid.inside[j], later + paid.out[j])
             y = self._solve(g, r, a, t - charge, True)
             if y >= j:
-                # A one-node segment is held whole or not at all: whole, the stage ends in a later segment, charged there.
-                return max(a, float(j)) if self.atomic[j] else min(y, math.nextafter(j + 1.0, j), farthest)
+                # Before the segment's end: one holding it whole ends in a later segment, charged there (`reach` then
+                # rounds the end down to a downset's: a one-node segment's start).
+                return min(y, math.nextafter(j + 1.0, j), farthest)
         return a
 
     def _stop(self, g: int, r: int, j: int, stops: tuple[np.ndarray, np.ndarray], budget: float) -> float | None:
@@ -700,6 +699,9 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
     first = np.array([least(reads, members[i]) for i in range(m)]).T
     last = np.array([least(writes, members[i]) for i in range(m)]).T
     into, out, whole = first.copy(), np.zeros((2, m)), np.zeros((2, m))
+    # Per segment i > 0: the tensors its nodes write, and those segment i - 1 writes that segment i or a later one reads.
+    made_in: list[list[_Tensor]] = [[] for _ in range(m)]
+    crossing: list[list[_Tensor]] = [[] for _ in range(m)]
     sinks = [_sinks(nodes, writes, of) for nodes in members]
     memo: dict[tuple, float] = {}
     for i in range(m):
@@ -710,39 +712,38 @@ def _cuts(problem: Problem, segs: Segments) -> _Cuts:
         if i == 0:
             continue
         out[:, i] = np.minimum(last[:, i - 1], last[:, i])
-        made = [t for v in members[i] for t in writes[v]]
+        made = made_in[i] = [t for v in members[i] for t in writes[v]]
         # A last node s of segment i - 1 and any part of segment i (maybe none): what they write that is read elsewhere.
         sent = min(_least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in writes[s]), *(_Term(t.producer, t, t.last > i) for t in made)],
                               memo) if len(members[i]) > 1 else sum(t.nbytes for t in writes[s]) for s in sinks[i - 1])
         out[0, i] = max(out[0, i], sent)
         # Segment i - 1 whole and any part of segment i: every tensor crossing into segment i or past it from i - 1 too.
-        crossing = [t for v in members[i - 1] for t in writes[v] if t.last >= i]
+        crossing[i] = [t for v in members[i - 1] for t in writes[v] if t.last >= i]
         whole[:, i] = out[:, i]
-        whole[0, i] = max(out[0, i], _least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in crossing),
+        whole[0, i] = max(out[0, i], _least_cut(members[i], [*(_Term(-1, t, t.last > i) for t in crossing[i]),
                                                             *(_Term(t.producer, t, t.last > i) for t in made)], memo)
-                          if len(members[i]) > 1 else sum(t.nbytes for t in crossing))
+                          if len(members[i]) > 1 else sum(t.nbytes for t in crossing[i]))
     shapes: dict[tuple, tuple] = {}
     ends = tuple(None if i == 0 or segs.downsets[i] is None
-                 else _ends(members, segs.downsets[i], writes, sinks[i - 1], out[:, i], whole[:, i], last[:, i], i, of, shapes)
+                 else _ends(members[i], segs.downsets[i], made_in[i], crossing[i], [writes[s] for s in sinks[i - 1]],
+                            out[:, i], whole[:, i], last[:, i], i, of, shapes)
                  for i in range(m))
     return _Cuts(into=into, out=out, whole=whole, first=first, last=last, sinks=tuple(map(tuple, sinks)),
                  skips=_Skips(tensors, of, m), ends=ends)
 
 
-def _ends(members: list[list[int]], downsets: np.ndarray, writes: list[list[_Tensor]], sinks: list[int], least: np.ndarray,
-          whole: np.ndarray, last: np.ndarray, i: int, of: np.ndarray, memo: dict[tuple, tuple]) -> _Ends:
+def _ends(nodes: list[int], downsets: np.ndarray, made: list[_Tensor], crossing: list[_Tensor], sinks: list[list[_Tensor]],
+          least: np.ndarray, whole: np.ndarray, last: np.ndarray, i: int, of: np.ndarray, memo: dict[tuple, tuple]) -> _Ends:
     """`_Cuts.ends` of segment i: a tensor counts when its producer is held (in E, or before segment i) and it is read after
     segment i or by a node of it outside E. Segments of the same shape (a model's layers) are counted once: what the
-    segment's own tensors are (their producers and readers in it) also fixes its downsets."""
-    nodes = members[i]
+    segment's own tensors are (their producers and readers in it) also fixes its downsets. `made`: what its nodes write;
+    `crossing`: what segment i - 1 writes that it or a later one reads; `sinks`: what each last node of segment i - 1 writes."""
     local = {v: n for n, v in enumerate(nodes)}
 
     def shape(tensors: list[_Tensor]) -> tuple:
         return tuple((local.get(t.producer, -1), tuple(local[c] for c in t.readers if of[c] == i), t.last > i, t.nbytes) for t in tensors)
 
-    made = shape([t for v in nodes for t in writes[v]])
-    key = (len(nodes), made, tuple(shape(writes[s]) for s in sinks), shape([t for v in members[i - 1] for t in writes[v] if t.last >= i]),
-           tuple(least), tuple(whole), tuple(last))
+    key = (len(nodes), shape(made), tuple(shape(tensors) for tensors in sinks), shape(crossing), tuple(least), tuple(whole), tuple(last))
     if key not in memo:
         rows = downsets[~downsets.all(axis=1)]
 
@@ -755,7 +756,7 @@ def _ends(members: list[list[int]], downsets: np.ndarray, writes: list[list[_Ten
                 total += np.array([nbytes, 1.0])[:, None] * counts
             return total
 
-        own = sent(made)
+        own = sent(key[1])
         one = np.min([sent(tensors) for tensors in key[2]], axis=0)
         memo[key] = rows, {"sink": np.maximum(own + one, least[:, None]), "whole": np.maximum(own + sent(key[3]), whole[:, None]),
                            "none": np.where(rows.any(axis=1), np.maximum(own, last[:, None]), own)}
